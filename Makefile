@@ -1,0 +1,32 @@
+# `make demo`: set up and run the main job.  `make test`: set up and run the tests.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.gradsync-installed
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+
+.PHONY: setup data demo test clean
+
+setup: $(STAMP) data
+
+# torch is pinned explicitly: an unpinned torch pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+data:
+	@if [ ! -f $(FMNIST) ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
+	  else echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist' or pass --data-dir" >&2; exit 1; fi; \
+	fi
+
+demo: setup
+	$(VENV)/bin/gradsync train --out runs/demo
+
+test: setup
+	$(VENV)/bin/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info
