@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -44,7 +45,8 @@ def _worker(rank, world_size, port, pg_timeout, fn, args, queue):
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # plain pickle: torch's shared-memory tensor pickling breaks once this process exits
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -88,7 +90,7 @@ def run_ranks(
             break
         try:
             rank, ok, value = queue.get(timeout=min(remaining, 1.0))
-            outcomes[rank] = (ok, value)
+            outcomes[rank] = (ok, pickle.loads(value) if ok else value)
         except queue_mod.Empty:
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break

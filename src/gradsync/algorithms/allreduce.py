@@ -1,0 +1,47 @@
+"""Dense all-reduce and torch's fp16 compression as gradsync hooks (the baselines).
+
+``allreduce_hook`` does what DDP does without a hook: divide the bucket by the world size and sum it
+with ``all_reduce``; ``fp16_hook`` wraps ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.
+fp16_compress_hook`` unchanged and only counts its bytes.
+"""
+
+# No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from .base import HookState
+
+
+class AllReduceState(HookState):
+    """State of :func:`allreduce_hook`: counters only."""
+
+
+def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's flat gradient (float32 ``[numel]``) over ranks with one ``all_reduce``.
+
+    Bitwise identical to DDP's built-in reduction (it divides by world size before the sum).
+    """
+    buf = bucket.buffer()
+    buf.div_(state.world_size)
+    state.count_collective(buf)
+    state.end_bucket(bucket)
+    fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+class FP16State(HookState):
+    """State of :func:`fp16_hook`: counters only."""
+
+
+def fp16_hook(state: FP16State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``fp16_compress_hook``: cast the bucket to float16, all-reduce, cast back.
+
+    Bytes counted: ``numel * 2`` per bucket (the float16 tensor handed to ``all_reduce``).
+    """
+    buf = bucket.buffer()
+    state.collectives += 1
+    state.bytes_sent += buf.numel() * 2
+    state.end_bucket(bucket)
+    return default_hooks.fp16_compress_hook(state.process_group, bucket)

@@ -1,0 +1,95 @@
+"""The ``gradsync`` command line: ``gradsync train ...`` (see ``gradsync train --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _ratio(value: str):
+    return value if value == "auto" else int(value)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from .algorithms import REGISTRY
+    from .train.config import TrainConfig
+    from .workloads import WORKLOADS
+
+    d = TrainConfig()
+    p = sub.add_parser("train", help="data-parallel training with a gradient-synchronisation algorithm",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--algorithm", default=d.algorithm, choices=sorted(REGISTRY))
+    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
+    p.add_argument("--workers", type=int, default=d.workers,
+                   help="local ranks on 127.0.0.1 (ignored under torchrun, which sets the world size)")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
+    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--ratio", type=_ratio, default=d.ratio,
+                   help="COVAP compression ratio K in [1, 32], or 'auto' (K = ceil(measured CCR))")
+    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="DDP bucket size (MB)")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the Fashion-MNIST idx files (default /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--out", default=None, help="write metrics.json and curves.png here")
+    p.add_argument("--timeout", type=float, default=d.timeout,
+                   help="seconds before a collective waiting on a dead peer fails")
+    p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"])
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .report import print_summary, write_outputs
+    from .train.config import TrainConfig
+    from .train.launcher import launch
+    from .workloads.fashion_mnist import DatasetMissing
+
+    cfg = TrainConfig(
+        algorithm=args.algorithm, workload=args.workload, workers=args.workers, threads=args.threads,
+        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        max_steps=args.max_steps, ratio=args.ratio, bucket_cap_mb=args.bucket_cap_mb,
+        data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
+        progress=not args.no_progress,
+    )
+    if cfg.workload == "fashion-mnist":
+        from .workloads import fashion_mnist
+
+        try:  # fail before spawning workers when the data is absent
+            fashion_mnist.load(cfg.data_dir, "test")
+        except DatasetMissing as exc:
+            print(f"gradsync: error: {exc}", file=sys.stderr)
+            return 2
+    result = launch(cfg)
+    if result is None:
+        return 0
+    print_summary(result)
+    if cfg.out:
+        metrics, curves = write_outputs(result, cfg.out)
+        print(f"wrote {metrics} and {curves}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        print("gradsync: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Measurements of compute and communication: compute-only step timing, dense all-reduce timing, CCR."""

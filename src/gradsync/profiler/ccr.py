@@ -1,0 +1,124 @@
+"""Communication-to-computation ratio (CCR), as COVAP uses it to choose its compression ratio.
+
+COVAP (Meng, Sun & Li 2023, arXiv 2311.04499) sets K to the CCR: the time of a dense all-reduce of
+every bucket *without overlap* divided by the backward compute time; K = ceil(CCR) clipped to
+[1, 32]. Every rank measures locally and the CCR is all-reduced with MAX, so all ranks get the same K.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ..validation import check_int
+
+
+@dataclass(frozen=True)
+class ComputeTiming:
+    """Median compute-only times of a training step, in seconds (no communication)."""
+
+    forward_s: float
+    backward_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class CCRMeasurement:
+    """Result of :func:`measure_ccr`: ``allreduce_s`` and ``backward_s`` (seconds, this rank),
+    ``ccr`` (all-reduced MAX over ranks) and ``ratio`` = clip(ceil(ccr), 1, 32)."""
+
+    allreduce_s: float
+    backward_s: float
+    ccr: float
+    ratio: int
+
+
+def ddp_bucket_numels(ddp: DistributedDataParallel) -> list[int]:
+    """Numel of each DDP bucket (reduction order) after the bucket rebuild, from DDP's logging data;
+    falls back to the parameter total when DDP does not report it."""
+    total = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    try:
+        numels = [int(s) // 4 for s in str(sizes).split(",") if s.strip()]
+    except ValueError:
+        numels = []
+    return numels if numels and sum(numels) == total else [total]
+
+
+def time_compute(
+    ddp: DistributedDataParallel,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int = 3,
+) -> ComputeTiming:
+    """Time forward and backward under ``ddp.no_sync()`` (no gradient communication) for ``steps``
+    batches and return the medians. Gradients are cleared afterwards; parameters are not updated.
+
+    Raises:
+        ValueError: if ``steps`` < 1 or ``batches`` runs out.
+    """
+    steps = check_int("steps", steps, 1)
+    fwd, bwd = [], []
+    it = iter(batches)
+    for _ in range(steps):
+        try:
+            x, y = next(it)
+        except StopIteration:
+            raise ValueError("batches ran out before the compute timing finished") from None
+        with ddp.no_sync():
+            t0 = time.perf_counter()
+            loss = loss_fn(ddp(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+        fwd.append(t1 - t0)
+        bwd.append(t2 - t1)
+    ddp.zero_grad(set_to_none=True)
+    return ComputeTiming(statistics.median(fwd), statistics.median(bwd))
+
+
+def time_dense_allreduce(
+    numels: Sequence[int], group: dist.ProcessGroup | None = None, reps: int = 5
+) -> float:
+    """Median seconds of blocking float32 all-reduces of one tensor per bucket, one after another
+    (no overlap). One untimed repetition warms the connections up."""
+    reps = check_int("reps", reps, 1)
+    tensors = [torch.zeros(int(n)) for n in numels]
+    times = []
+    for r in range(reps + 1):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for t in tensors:
+            dist.all_reduce(t, group=group)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ratio_from_ccr(ccr: float, max_ratio: int = 32) -> int:
+    """K = ceil(CCR) clipped to [1, max_ratio]."""
+    if not math.isfinite(ccr):
+        return max_ratio
+    return max(1, min(max_ratio, math.ceil(ccr - 1e-9)))
+
+
+def measure_ccr(
+    numels: Sequence[int], backward_s: float, group: dist.ProcessGroup | None = None, reps: int = 5
+) -> CCRMeasurement:
+    """Collective: measure the dense all-reduce time of buckets ``numels`` and return the CCR
+    against ``backward_s`` (seconds), all-reduced with MAX so every rank gets the same ratio."""
+    allreduce_s = time_dense_allreduce(numels, group, reps)
+    ccr = torch.tensor([allreduce_s / max(backward_s, 1e-9)], dtype=torch.float64)
+    dist.all_reduce(ccr, op=dist.ReduceOp.MAX, group=group)
+    value = float(ccr.item())
+    return CCRMeasurement(allreduce_s, backward_s, value, ratio_from_ccr(value))

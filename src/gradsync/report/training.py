@@ -1,0 +1,83 @@
+"""Report a ``gradsync train`` run: a rich summary table, ``metrics.json`` and ``curves.png``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable byte count (B, KB, MB, GB; powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [
+        ("algorithm", s["algorithm"] + (f" (K={s['ratio']})" if "ratio" in s else "")),
+        ("world size", str(s["world_size"])),
+        ("epochs", f"{s['epochs']} ({s['steps']} steps)"),
+        ("final test accuracy", f"{s['test_accuracy'] * 100:.2f}%"),
+        ("samples/s", f"{s['samples_per_s']:.1f}"),
+        ("mean iteration time", f"{s['mean_iteration_s'] * 1e3:.1f} ms"),
+        ("mean compute time (fwd+bwd, no comm)", f"{s['mean_compute_s'] * 1e3:.1f} ms"),
+        ("bytes sent per rank per iteration", fmt_bytes(s["bytes_per_iteration"])),
+        ("compression ratio", f"{s['compression_ratio']:.2f}x"),
+    ]
+    if "ccr" in s:
+        rows.append(("measured CCR (auto ratio)", f"{s['ccr']:.3f}"))
+    return rows
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """Print the summary table of one run to the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="gradsync train: summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in summary_rows(result["summary"]):
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def write_outputs(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+    """Write ``metrics.json`` (config, summary, per-iteration and per-epoch records) and
+    ``curves.png`` (training loss and test accuracy against wall-clock seconds) into ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.json"
+    metrics.write_text(json.dumps(result, indent=1, default=str))
+
+    its, eps = result["iterations"], result["epochs"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot([i["wall_s"] for i in its], [i["loss"] for i in its], lw=0.6, alpha=0.5, label="per step")
+    window = max(1, len(its) // 50)
+    if len(its) >= window:
+        smooth = [sum(i["loss"] for i in its[k - window:k]) / window for k in range(window, len(its) + 1)]
+        ax1.plot([its[k - 1]["wall_s"] for k in range(window, len(its) + 1)], smooth, lw=1.5,
+                 label=f"mean of {window}")
+    ax1.set_xlabel("wall-clock time (s)")
+    ax1.set_ylabel("training loss")
+    ax1.set_yscale("log")
+    ax1.legend()
+    ax2.plot([e["wall_s"] for e in eps], [e["test_acc"] * 100 for e in eps], "o-")
+    ax2.set_xlabel("wall-clock time (s)")
+    ax2.set_ylabel("test accuracy (%)")
+    s = result["summary"]
+    fig.suptitle(f"{s['algorithm']} on {result['config']['workload']}, world size {s['world_size']}")
+    fig.tight_layout()
+    curves = out / "curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+    return metrics, curves

@@ -1,0 +1,74 @@
+"""Configuration of a ``gradsync train`` run, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..validation import check_choice, check_float, check_int
+
+
+@dataclass
+class TrainConfig:
+    """All settings of a training run.
+
+    Raises:
+        ValueError: from :meth:`validate` (called on construction), naming the argument and range.
+    """
+
+    algorithm: str = "allreduce"
+    workload: str = "fashion-mnist"
+    workers: int = 2
+    threads: int = 1
+    epochs: int = 4
+    batch_size: int = 64          # per worker
+    lr: float = 0.1               # peak learning rate of the one-cycle schedule
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    seed: int = 0
+    max_steps: int | None = None  # stop after this many optimizer steps in total
+    ratio: int | str = 3          # COVAP compression ratio K, or "auto"
+    bucket_cap_mb: float = 0.1    # DDP bucket size (MB)
+    data_dir: str | None = None
+    out: str | None = None
+    timeout: float = 120.0        # seconds before a collective with a dead peer raises
+    backend: str = "auto"         # gloo, nccl, or auto (nccl when CUDA is available under torchrun)
+    compute_steps: int = 3        # steps timed without communication
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        from ..algorithms import REGISTRY
+        from ..workloads import WORKLOADS
+
+        check_choice("algorithm", self.algorithm, sorted(REGISTRY))
+        check_choice("workload", self.workload, sorted(WORKLOADS))
+        check_int("workers", self.workers, 1, 64)
+        check_int("threads", self.threads, 1, 256)
+        check_int("epochs", self.epochs, 1, 10_000)
+        check_int("batch_size", self.batch_size, 1, 65_536)
+        check_float("lr", self.lr, 0.0, 10.0, low_inclusive=False)
+        check_float("momentum", self.momentum, 0.0, 1.0, high_inclusive=False)
+        check_float("weight_decay", self.weight_decay, 0.0, 1.0)
+        check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.max_steps is not None:
+            check_int("max_steps", self.max_steps, 1)
+        if self.ratio != "auto":
+            self.ratio = check_int("ratio", self.ratio, 1, 32)
+        check_float("bucket_cap_mb", self.bucket_cap_mb, 0.0, 1024.0, low_inclusive=False)
+        check_float("timeout", self.timeout, 1.0, 86_400.0)
+        check_choice("backend", self.backend, ["auto", "gloo", "nccl"])
+        check_int("compute_steps", self.compute_steps, 1, 100)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def agreement_fields(self) -> dict[str, Any]:
+        """Fields that must be equal on every rank (everything but paths and UI)."""
+        d = self.to_dict()
+        for k in ("data_dir", "out", "progress"):
+            d.pop(k)
+        return d

@@ -1,0 +1,186 @@
+"""The data-parallel training loop one rank runs (DDP + a gradsync communication hook)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+
+from ..algorithms import build_hook
+from ..algorithms.covap import CovapState
+from ..comm.agreement import check_config_agreement
+from ..profiler.ccr import ddp_bucket_numels, measure_ccr, time_compute
+from ..workloads import get_workload
+from .config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def _evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
+              group=None, batch: int = 1000) -> tuple[float, float]:
+    """Test loss (mean cross-entropy) and accuracy in [0, 1] over the whole set; each rank takes
+    every world-th sample and the sums are all-reduced."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    xs, ys = x[rank::world], y[rank::world]
+    sums = torch.zeros(3, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, xs.shape[0], batch):
+            xb, yb = xs[i:i + batch].to(device), ys[i:i + batch].to(device)
+            out = model(xb)
+            sums[0] += F.cross_entropy(out, yb, reduction="sum").item()
+            sums[1] += (out.argmax(1) == yb).sum().item()
+            sums[2] += yb.numel()
+    model.train(was_training)
+    dist.all_reduce(sums, group=group)
+    return float(sums[0] / sums[2]), float(sums[1] / sums[2])
+
+
+def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] | None:
+    """Train on the already-initialised default process group; return the results on rank 0.
+
+    Returns on rank 0 a dict with ``config``, ``summary`` (algorithm, world size, test accuracy,
+    samples/s, mean iteration and compute seconds, bytes per rank per iteration, compression ratio),
+    ``iterations`` (per-step loss, seconds, bytes) and ``epochs`` (test loss and accuracy); ``None``
+    on other ranks.
+
+    Raises:
+        ConfigMismatchError: if ranks were started with different configurations.
+        DatasetMissing: if the dataset files are absent.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = device or torch.device("cpu")
+    torch.set_num_threads(cfg.threads)
+    check_config_agreement(cfg.agreement_fields())
+
+    workload = get_workload(cfg.workload)
+    train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
+    torch.manual_seed(cfg.seed)
+    model = workload.make_model().to(device)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
+                                  device_ids=[device.index] if device.type == "cuda" else None)
+    state, hook = build_hook(cfg.algorithm, ratio=cfg.ratio)
+    ddp.register_comm_hook(state, hook)
+    check_config_agreement(state.config())
+
+    sampler = DistributedSampler(TensorDataset(train_x), num_replicas=world, rank=rank,
+                                 shuffle=True, seed=cfg.seed, drop_last=True)
+    batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
+    loader = DataLoader(TensorDataset(train_x, train_y), sampler=batches, batch_size=None)
+    steps_per_epoch = len(batches)
+    total_steps = cfg.epochs * steps_per_epoch
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    epochs = math.ceil(total_steps / steps_per_epoch)
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out, y)
+
+    # Warm-up: two synchronised backward passes let DDP rebuild its buckets (and let hooks record
+    # the layout), then compute-only steps time forward+backward without communication.
+    warm = [(train_x[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device),
+             train_y[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device)) for i in range(2)]
+    for xb, yb in warm:
+        loss_fn(ddp(xb), yb).backward()
+    ddp.zero_grad(set_to_none=True)
+    compute = time_compute(ddp, (warm[i % 2] for i in range(cfg.compute_steps)), loss_fn, cfg.compute_steps)
+    ccr = None
+    if isinstance(state, CovapState) and cfg.ratio == "auto":
+        ccr = measure_ccr(ddp_bucket_numels(ddp), compute.backward_s)
+        state.set_ratio(ccr.ratio)
+        if rank == 0:
+            print(f"COVAP --ratio auto: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
+                  f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> K = {ccr.ratio}", flush=True)
+        check_config_agreement(state.config())
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                          weight_decay=cfg.weight_decay, nesterov=True)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps,
+                                                pct_start=0.15, anneal_strategy="cos")
+
+    progress = None
+    if rank == 0 and cfg.progress:
+        from tqdm import tqdm
+        progress = tqdm(total=total_steps, desc=f"{cfg.algorithm} x{world}", unit="it", dynamic_ncols=True)
+
+    iterations: list[dict[str, float]] = []
+    epoch_log: list[dict[str, float]] = []
+    stats0 = state.stats()
+    last_bytes = stats0["bytes_sent"]
+    step = 0
+    train_time = 0.0
+    wall0 = time.perf_counter()
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            if step >= total_steps:
+                break
+            xb, yb = workload.augment(xb.to(device)), yb.to(device)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(xb), yb)
+            loss.backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            sched.step()
+            train_time += dt
+            step += 1
+            sent = state.bytes_sent
+            iterations.append({"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
+                               "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
+                               "lr": sched.get_last_lr()[0]})
+            last_bytes = sent
+            if progress is not None:
+                progress.update(1)
+                if step % 20 == 0:
+                    progress.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
+        test_loss, test_acc = _evaluate(ddp.module, test_x, test_y, device)
+        epoch_log.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_acc": test_acc,
+                          "wall_s": time.perf_counter() - wall0})
+        if progress is not None:
+            progress.write(f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {test_acc * 100:.2f}%")
+        if step >= total_steps:
+            break
+    if progress is not None:
+        progress.close()
+
+    stats = state.stats()
+    bytes_sent = stats["bytes_sent"] - stats0["bytes_sent"]
+    dense = stats["dense_bytes"] - stats0["dense_bytes"]
+    iter_times = [it["iter_s"] for it in iterations]
+    summary = {
+        "algorithm": cfg.algorithm,
+        "world_size": world,
+        "epochs": len(epoch_log),
+        "steps": step,
+        "test_accuracy": epoch_log[-1]["test_acc"],
+        "test_loss": epoch_log[-1]["test_loss"],
+        "samples_per_s": step * cfg.batch_size * world / train_time,
+        "mean_iteration_s": sum(iter_times) / len(iter_times),
+        "mean_compute_s": compute.step_s,
+        "forward_s": compute.forward_s,
+        "backward_s": compute.backward_s,
+        "bytes_per_iteration": bytes_sent / step,
+        "dense_bytes_per_iteration": dense / step,
+        "compression_ratio": dense / bytes_sent if bytes_sent else float("inf"),
+        "train_seconds": train_time,
+        "wall_seconds": time.perf_counter() - wall0,
+    }
+    if ccr is not None:
+        summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s, ratio=ccr.ratio)
+    elif isinstance(state, CovapState):
+        summary["ratio"] = state.ratio
+    if rank != 0:
+        return None
+    return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
+            "iterations": iterations, "epochs": epoch_log}

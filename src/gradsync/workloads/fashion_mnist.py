@@ -1,0 +1,83 @@
+"""Fashion-MNIST (Xiao, Rasul & Vollgraf 2017) read from the standard idx files.
+
+The idx files are the ones Debian's ``dataset-fashion-mnist`` package installs under
+``/usr/share/datasets/fashion-mnist``; ``--data-dir`` points anywhere else. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_DIR = Path("/usr/share/datasets/fashion-mnist")
+FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+# Per-pixel mean and standard deviation of the 60,000 training images (scaled to [0, 1]).
+MEAN, STD = 0.2860, 0.3530
+CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+           "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
+
+
+class DatasetMissing(FileNotFoundError):
+    """The idx files were not found; the message says how to get them."""
+
+
+def _find(data_dir: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem):
+        p = data_dir / name
+        if p.is_file():
+            return p
+    raise DatasetMissing(
+        f"Fashion-MNIST file {stem}[.gz] not found in {data_dir}. Install it with "
+        "'apt-get install dataset-fashion-mnist' (Debian/Ubuntu; files land in "
+        f"{DEFAULT_DIR}) or download the four idx files from "
+        "github.com/zalandoresearch/fashion-mnist and pass --data-dir DIR."
+    )
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one idx file (optionally gzip-compressed) into a uint8 array.
+
+    Raises:
+        ValueError: if the magic number does not describe unsigned-byte data.
+    """
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    magic = int.from_bytes(data[0:4], "big")
+    if magic >> 8 != 0x08:
+        raise ValueError(f"{path}: not an unsigned-byte idx file (magic {magic:#x})")
+    ndim = magic & 0xFF
+    shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def load(data_dir: str | os.PathLike | None = None, split: str = "train"):
+    """Load one split as tensors.
+
+    Returns:
+        ``(images, labels)``: images float32 ``[N, 1, 28, 28]`` normalised with the training mean and
+        std; labels int64 ``[N]`` in 0..9. N = 60,000 for ``train`` and 10,000 for ``test``.
+
+    Raises:
+        DatasetMissing: if the files are not in ``data_dir``.
+        ValueError: if ``split`` is not ``train`` or ``test``.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be one of train, test; got {split!r}")
+    d = Path(data_dir) if data_dir else DEFAULT_DIR
+    images = read_idx(_find(d, FILES[f"{split}_images"]))
+    labels = read_idx(_find(d, FILES[f"{split}_labels"]))
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{d}: {split} images and labels differ in count")
+    x = torch.from_numpy(images.copy()).float().div_(255.0).sub_(MEAN).div_(STD).unsqueeze(1)
+    y = torch.from_numpy(labels.astype(np.int64))
+    return x, y

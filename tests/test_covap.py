@@ -1,0 +1,178 @@
+"""COVAP and the dense baselines on real 2-rank Gloo groups.
+
+Tolerances: the ``allreduce`` hook must match DDP bitwise; COVAP with K=1 must match dense
+all-reduce within rtol=1e-6/atol=1e-7 (float32 sums in a different grouping).
+"""
+
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run_ranks
+from gradsync.algorithms import AllReduceState, CovapPlan, CovapState, allreduce_hook, covap_hook
+from gradsync.comm.agreement import ConfigMismatchError, check_config_agreement
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 96), nn.Tanh(),
+                         nn.Linear(96, 32), nn.Tanh(), nn.Linear(32, 10))
+
+
+def batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def grads_per_step(rank, world, algorithm, steps, ratio=1, lam0=None):
+    """Flat gradients after each of ``steps`` backward passes (no optimizer step, so the
+    gradients depend only on the data and the hook)."""
+    model = DDP(make_model(), bucket_cap_mb=0.01)
+    state = None
+    if algorithm == "allreduce":
+        state = AllReduceState()
+        model.register_comm_hook(state, allreduce_hook)
+    elif algorithm == "covap":
+        state = CovapState(ratio=ratio, lam0=lam0, ramp_steps=10)
+        model.register_comm_hook(state, covap_hook)
+    out = []
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        out.append(flat_grad(model.module).clone())
+    return out, (state.stats() if state else None)
+
+
+def test_allreduce_hook_is_bitwise_ddp():
+    ref = run_ranks(grads_per_step, 2, "ddp", 4)
+    got = run_ranks(grads_per_step, 2, "allreduce", 4)
+    for r in range(2):
+        for a, b in zip(ref[r][0], got[r][0]):
+            assert torch.equal(a, b)
+    stats = got[0][1]
+    assert stats["bytes_sent"] == stats["dense_bytes"] == 4 * sum(p.numel() for p in make_model().parameters()) * 4
+
+
+def test_covap_k1_equals_dense():
+    ref = run_ranks(grads_per_step, 2, "ddp", 6)
+    got = run_ranks(grads_per_step, 2, "covap", 6, 1)
+    for r in range(2):
+        for a, b in zip(ref[r][0], got[r][0]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert got[0][1]["buckets_skipped"] == 0
+
+
+def test_covap_schedule_sends_each_element_once_every_k_steps():
+    k, start = 3, 2
+    res = run_ranks(grads_per_step, 2, "covap", start + 3 * k, k)
+    (g0, stats0), (g1, _) = res
+    assert stats0["shards"], "the plan was built"
+    assert max(stats0["shards"]) > 1, "the test model should have a bucket split into shards"
+    for step in range(start, start + 3 * k):
+        assert torch.equal(g0[step], g1[step]), "both ranks apply the same averaged gradient"
+    for window in range(start, start + 2 * k + 1):
+        sent = torch.stack([g0[s] != 0 for s in range(window, window + k)]).sum(0)
+        assert torch.all(sent == 1), f"every element sent exactly once in steps {window}..{window + k - 1}"
+    assert stats0["buckets_skipped"] > 0
+    assert stats0["compression_ratio"] > 1.5
+
+
+def test_plan_median_rule_and_round_robin():
+    plan = CovapPlan.build([100, 100, 1000, 50, 400], ratio=4)
+    # median 100: t = floor(n/100 - 0.3) -> 0, 0, 9, -1, 3 -> c = 1, 1, min(10,4)=4, 1, 4
+    assert plan.shards == (1, 1, 4, 1, 4)
+    assert plan.offsets == (0, 1, 2, 6, 7)
+    for t in range(8):
+        for b in range(5):
+            s = plan.selected_shard(b, t)
+            hits = [s2 for s2 in range(plan.shards[b]) if (plan.offsets[b] + s2 + t) % 4 == 0]
+            assert (s is None and not hits) or hits == [s]
+    mean = sum(plan.sent_fraction(t) for t in range(4)) / 4
+    assert mean == pytest.approx(0.25, abs=0.02)
+    assert CovapPlan.build([10, 10, 10], 1).shards == (1, 1, 1)
+
+
+def ef_mass(rank, world, steps):
+    model = DDP(make_model(), bucket_cap_mb=0.01)
+    state = CovapState(ratio=4, lam0=1.0, ramp_steps=1)
+    raw = torch.zeros((), dtype=torch.float64)
+
+    def hook(st, bucket):
+        nonlocal raw
+        raw += bucket.buffer().double().sum()
+        return covap_hook(st, bucket)
+
+    model.register_comm_hook(state, hook)
+    applied = torch.zeros((), dtype=torch.float64)
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        applied += flat_grad(model.module).double().sum()
+    totals = torch.stack([raw, state.feedback.total()])
+    dist.all_reduce(totals)
+    return float(applied), float(totals[0] / world), float(totals[1] / world)
+
+
+def test_error_feedback_conserves_gradient_mass():
+    for applied, mean_raw, mean_residual in run_ranks(ef_mass, 2, 11):
+        # sum of applied (averaged) updates + mean residual == mean of the summed local gradients,
+        # up to float32 rounding of the per-step arithmetic
+        assert applied + mean_residual == pytest.approx(mean_raw, rel=1e-6, abs=1e-6)
+        assert abs(mean_residual) > 0  # something is still held back
+
+
+def mismatch(rank, world):
+    state = CovapState(ratio=3 + rank)
+    t0 = time.monotonic()
+    try:
+        check_config_agreement(state.config())
+    except ConfigMismatchError as exc:
+        return str(exc), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_config_mismatch_raises_on_every_rank_quickly():
+    for message, seconds in run_ranks(mismatch, 2, timeout=30):
+        assert message is not None
+        assert "'ratio'" in message and "rank 0 = 3" in message and "rank 1 = 4" in message
+        assert seconds < 5
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"ratio": 0}, "ratio"), ({"ratio": 33}, "ratio"), ({"ratio": 2.5}, "ratio"),
+    ({"start_iter": 1}, "start_iter"), ({"lam0": 1.5}, "lam0"), ({"ramp_steps": 0}, "ramp_steps"),
+])
+def test_bad_arguments_raise_value_error(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        CovapState(**kwargs)
+
+
+def test_plan_rejects_bad_layout():
+    with pytest.raises(ValueError, match="numels"):
+        CovapPlan.build([], 2)
+    with pytest.raises(ValueError, match="ratio"):
+        CovapPlan.build([10], 0)
+
+
+def test_state_dict_and_pickle_round_trip():
+    st = CovapState(ratio=4)
+    st.iteration = 7
+    st.bucket_numels = {0: 10, 1: 30}
+    st.feedback.store(0, torch.arange(10.0))
+    clone = CovapState(ratio=2)
+    clone.load_state_dict(st.state_dict())
+    assert clone.ratio == 4 and clone.iteration == 7 and clone.bucket_numels == {0: 10, 1: 30}
+    assert torch.equal(clone.feedback.residuals[0], torch.arange(10.0))
+    restored = pickle.loads(pickle.dumps(st))
+    assert restored.iteration == 7 and torch.equal(restored.feedback.residuals[0], torch.arange(10.0))

@@ -1,0 +1,76 @@
+"""End-to-end ``gradsync train`` through the real console script on a small slice of Fashion-MNIST."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradsync.train.config import TrainConfig
+from gradsync.workloads import fashion_mnist
+
+pytestmark = pytest.mark.skipif(
+    not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)",
+)
+
+CLI = [sys.executable, "-m", "gradsync"]
+
+
+def train(tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / "run"
+    proc = subprocess.run(CLI + ["train", "--max-steps", "30", "--no-progress", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gradsync train: summary" in proc.stdout
+    assert (out / "curves.png").stat().st_size > 10_000
+    return json.loads((out / "metrics.json").read_text()), proc.stdout
+
+
+def test_covap_auto_trains_and_writes_metrics(tmp_path):
+    metrics, stdout = train(tmp_path, "--algorithm", "covap", "--ratio", "auto")
+    assert "CCR" in stdout and "-> K =" in stdout
+    s = metrics["summary"]
+    for key in ("algorithm", "world_size", "epochs", "test_accuracy", "samples_per_s", "mean_iteration_s",
+                "mean_compute_s", "bytes_per_iteration", "compression_ratio", "ccr", "ratio"):
+        assert key in s, key
+    assert s["world_size"] == 2 and s["steps"] == 30
+    assert s["test_accuracy"] > 0.3, "well above chance (0.1) after 30 steps"
+    assert 1 <= s["ratio"] <= 32
+    assert len(metrics["iterations"]) == 30
+    it = metrics["iterations"][0]
+    assert {"loss", "iter_s", "bytes", "wall_s"} <= set(it)
+    assert metrics["epochs"][-1]["test_acc"] == s["test_accuracy"]
+    assert metrics["config"]["algorithm"] == "covap"
+
+
+def test_covap_fixed_ratio_sends_about_one_kth(tmp_path):
+    metrics, _ = train(tmp_path, "--algorithm", "covap", "--ratio", "4")
+    s = metrics["summary"]
+    assert s["ratio"] == 4
+    assert s["bytes_per_iteration"] == pytest.approx(s["dense_bytes_per_iteration"] / 4, rel=0.15)
+    assert s["test_accuracy"] > 0.2
+
+
+def test_bad_cli_argument_is_a_clear_error():
+    proc = subprocess.run(CLI + ["train", "--ratio", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "ratio must be an integer in [1, 32], got 0" in proc.stderr
+
+
+def test_missing_dataset_says_how_to_get_it(tmp_path):
+    proc = subprocess.run(CLI + ["train", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "apt-get install dataset-fashion-mnist" in proc.stderr and "--data-dir" in proc.stderr
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"workers": 0}, "workers"), ({"epochs": 0}, "epochs"), ({"lr": -1.0}, "lr"),
+    ({"algorithm": "nope"}, "algorithm"), ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
+    ({"max_steps": 0}, "max_steps"), ({"timeout": 0}, "timeout"),
+])
+def test_config_validation(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        TrainConfig(**kwargs)
