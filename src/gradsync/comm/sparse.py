@@ -1,0 +1,183 @@
+"""Communicators for compressed payloads over ``torch.distributed`` (GRACE's ``Allreduce`` and
+``Allgather`` communicators, specs/peers.md §4b).
+
+* :func:`allreduce_payload`: every payload tensor has the same shape on every rank and is linear; each
+  is divided by the world size and summed with one all-reduce per tensor.
+* :func:`allgather_payload`: payloads differ in size between ranks. Gloo cannot all-gather uneven
+  sizes, so the element counts are all-gathered first (one int64 all-gather), then every rank packs
+  its payload tensors into one byte vector padded to the largest rank's byte count and one
+  ``all_gather_into_tensor`` moves them all.
+* :func:`communicate`: picks one of the two from ``compressor.aggregation`` and returns a future of the
+  averaged dense tensor ``(1/P) * sum_r decompress(payload_r)``.
+
+All collectives are *issued* in the calling thread, in call order (safe to call from a DDP comm hook
+body, never from a ``Future.then`` callback, see specs/platform.md). The returned futures' callbacks
+only unpack and decompress locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Sequence
+
+import torch
+import torch.distributed as dist
+
+from gradsync.compressors.base import Compressor, Ctx, Payload
+
+Counter = Callable[..., None]
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
+    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _done(value) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def allreduce_payload(
+    payload: Payload, group: dist.ProcessGroup | None = None, counter: Counter | None = None
+) -> torch.futures.Future:
+    """Average equal-shaped linear payload tensors over ranks.
+
+    Args:
+        payload: tuple of floating tensors, same shapes and dtypes on every rank (not modified).
+        group: process group (``None`` = default).
+        counter: called as ``counter(tensor)`` for every tensor handed to a collective (e.g.
+            ``HookState.count_collective``, which records bytes).
+
+    Returns:
+        Future of a list of tensors: ``sum_r payload_r[i] / P`` for each i (dtypes kept; the division
+        happens before the sum, in the payload's dtype, like torch's ``fp16_compress_hook``).
+    """
+    world = dist.get_world_size(group)
+    tensors = [t.div(world) for t in payload]
+    futs = []
+    for t in tensors:
+        if counter is not None:
+            counter(t)
+        futs.append(dist.all_reduce(t, group=group, async_op=True).get_future())
+    if not futs:
+        return _done([])
+    return torch.futures.collect_all(futs).then(lambda _: tensors)
+
+
+def allgather_payload(
+    payload: Payload,
+    group: dist.ProcessGroup | None = None,
+    counter: Counter | None = None,
+    fixed_size: bool = False,
+) -> torch.futures.Future:
+    """All-gather payloads whose tensor sizes differ between ranks (padded to the maximum).
+
+    Every rank must pass the same number of tensors with the same dtypes (sizes may differ).
+    Two collectives: a blocking all-gather of the sizes (int64 ``[P * m]`` for m tensors), then an
+    asynchronous ``all_gather_into_tensor`` of the packed bytes (uint8 ``[P * max_bytes]``).
+    With ``fixed_size=True`` (the caller guarantees equal sizes on every rank, e.g. top-k) the
+    sizes all-gather is skipped.
+
+    Returns:
+        Future of a list (one entry per rank, in rank order) of payload tuples, unpadded.
+    """
+    world = dist.get_world_size(group)
+    dtypes = [t.dtype for t in payload]
+    itemsizes = [t.element_size() for t in payload]
+    sizes = torch.tensor([t.numel() for t in payload], dtype=torch.int64)
+    if fixed_size:
+        all_sizes = sizes.repeat(world).view(world, len(payload))
+    else:
+        all_sizes = torch.empty(world * len(payload), dtype=torch.int64)
+        if counter is not None:
+            counter(sizes)
+        _all_gather(all_sizes, sizes, group)
+        all_sizes = all_sizes.view(world, len(payload))
+    nbytes = all_sizes * torch.tensor(itemsizes, dtype=torch.int64)
+    max_bytes = int(nbytes.sum(dim=1).max()) if len(payload) else 0
+
+    def unpack(out: torch.Tensor) -> list[Payload]:
+        result = []
+        for r in range(world):
+            chunk = out[r * max_bytes : (r + 1) * max_bytes]
+            off = 0
+            tensors = []
+            for j, dt in enumerate(dtypes):
+                nb = int(nbytes[r, j])
+                tensors.append(chunk[off : off + nb].clone().view(dt))
+                off += nb
+            result.append(tuple(tensors))
+        return result
+
+    if max_bytes == 0:
+        return _done(unpack(torch.empty(0, dtype=torch.uint8)))
+    local = torch.zeros(max_bytes, dtype=torch.uint8)
+    off = 0
+    for t in payload:
+        b = t.detach().contiguous().view(-1).view(torch.uint8)
+        local[off : off + b.numel()] = b
+        off += b.numel()
+    out = torch.empty(world * max_bytes, dtype=torch.uint8)
+    if counter is not None:
+        counter(local)
+    work = _all_gather(out, local, group, async_op=True)
+    return work.get_future().then(lambda _: unpack(out))
+
+
+def communicate(
+    compressor: Compressor,
+    payload: Payload,
+    ctx: Ctx,
+    group: dist.ProcessGroup | None = None,
+    counter: Counter | None = None,
+    timer: Callable[[], ContextManager] | None = None,
+) -> torch.futures.Future:
+    """Send ``payload`` with the communicator ``compressor.aggregation`` asks for and aggregate.
+
+    Args:
+        compressor: the compressor that produced ``payload`` (its ``aggregation`` picks the pattern).
+        payload, ctx: output of ``compressor.compress``; ``ctx`` must be rank-independent.
+        group: process group (``None`` = default).
+        counter: byte counter, see :func:`allreduce_payload`.
+        timer: context-manager factory wrapped around the local decompression/aggregation (e.g.
+            ``HookState.compression_timer``).
+
+    Returns:
+        Future of the averaged dense tensor, 1-D float32 with ``ctx.numel`` elements.
+
+    Raises:
+        ValueError: if ``compressor.aggregation`` is neither ``"allreduce"`` nor ``"allgather"``.
+    """
+    timer = timer or contextlib.nullcontext
+    world = dist.get_world_size(group)
+    if compressor.aggregation == "allreduce":
+
+        def finish_reduce(fut: torch.futures.Future) -> torch.Tensor:
+            with timer():
+                return compressor.decompress(tuple(fut.value()), ctx)
+
+        return allreduce_payload(payload, group, counter).then(finish_reduce)
+    if compressor.aggregation == "allgather":
+
+        def finish_gather(fut: torch.futures.Future) -> torch.Tensor:
+            with timer():
+                return compressor.aggregate(fut.value(), ctx).div_(world)
+
+        return allgather_payload(payload, group, counter, compressor.fixed_size).then(finish_gather)
+    raise ValueError(f"compressor aggregation must be allreduce or allgather, got {compressor.aggregation!r}")
+
+
+def dense_allreduce(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, counter: Counter | None = None
+) -> torch.futures.Future:
+    """Average ``x`` over ranks in place (``x /= P`` then all-reduce SUM); future of ``x``."""
+    x.div_(dist.get_world_size(group))
+    if counter is not None:
+        counter(x)
+    return dist.all_reduce(x, group=group, async_op=True).get_future().then(lambda _: x)
+
+
+__all__: Sequence[str] = ["allgather_payload", "allreduce_payload", "communicate", "dense_allreduce"]
