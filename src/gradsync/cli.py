@@ -30,6 +30,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--ratio", type=_ratio, default=d.ratio,
                    help="COVAP compression ratio K in [1, 32], or 'auto' (K = ceil(measured CCR))")
+    p.add_argument("--density", type=float, default=d.density,
+                   help="kept fraction for topk, randomk, dgc, redsync, in (0, 1]")
+    p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback,
+                   help="error feedback for the compressor-library algorithms")
+    p.add_argument("--compressor", default=d.compressor, choices=["topk", "dgc", "redsync", "randomk"],
+                   help="GraVAC's sparsifier")
+    p.add_argument("--levels", type=int, default=d.levels, help="QSGD quantisation levels")
+    p.add_argument("--rank", dest="powersgd_rank", type=int, default=d.powersgd_rank,
+                   help="PowerSGD matrix approximation rank")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="DDP bucket size (MB)")
     p.add_argument("--data-dir", default=None,
                    help="directory with the Fashion-MNIST idx files (default /usr/share/datasets/fashion-mnist)")
@@ -50,7 +59,9 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(
         algorithm=args.algorithm, workload=args.workload, workers=args.workers, threads=args.threads,
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        max_steps=args.max_steps, ratio=args.ratio, bucket_cap_mb=args.bucket_cap_mb,
+        max_steps=args.max_steps, ratio=args.ratio, density=args.density,
+        error_feedback=args.error_feedback, compressor=args.compressor, levels=args.levels,
+        powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb,
         data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
         progress=not args.no_progress,
     )

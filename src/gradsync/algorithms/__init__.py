@@ -14,22 +14,59 @@ import torch.distributed as dist
 
 from .allreduce import AllReduceState, FP16State, allreduce_hook, fp16_hook
 from .base import HookState
+from .compressed import CompressedState, compressed_hook
 from .covap import CovapPlan, CovapState, covap_hook
+from .gravac import GravacState, gravac_hook
+from .powersgd import PowerSGDHookState, powersgd_hook
 
 Hook = Callable[[Any, dist.GradBucket], Any]
 
 
 @dataclass(frozen=True)
 class Algorithm:
+    """A registered algorithm: ``build(process_group=None, model=None, **options)`` returns
+    ``(state, hook)``; ``single_bucket`` asks the caller to build DDP with one bucket."""
+
     name: str
     summary: str
     build: Callable[..., tuple[HookState, Hook]]
+    single_bucket: bool = False
 
 
 def _covap(process_group=None, ratio: int | str = 3, **_: Any):
     # "auto" starts at K=1; the training loop measures the CCR and calls set_ratio before compressing.
     k = 1 if ratio == "auto" else int(ratio)
     return CovapState(ratio=k, process_group=process_group), covap_hook
+
+
+def _compressed(name: str, **fixed: Any):
+    """Builder for ``CompressedState(name)``; ``density`` is passed to sparsifiers only."""
+
+    def build(process_group=None, model=None, density: float = 0.01, error_feedback: bool = True,
+              levels: int = 127, steps_per_epoch: int = 0, **_: Any):
+        kwargs: dict[str, Any] = dict(fixed)
+        if name in ("topk", "randomk", "dgc", "redsync"):
+            kwargs["density"] = density
+        if name == "dgc":
+            kwargs["warmup_steps"] = steps_per_epoch
+        if name == "qsgd":
+            kwargs["levels"] = levels
+        state = CompressedState(name, error_feedback=error_feedback, process_group=process_group,
+                                model=model, **kwargs)
+        return state, compressed_hook
+
+    return build
+
+
+def _gravac(process_group=None, model=None, compressor: str = "topk", batch_size: int = 1,
+            steps_per_epoch: int = 200, **_: Any):
+    state = GravacState(compressor=compressor, batch_size=batch_size, process_group=process_group,
+                        search_interval=max(1, steps_per_epoch), model=model)
+    return state, gravac_hook
+
+
+def _powersgd(process_group=None, rank: int = 2, seed: int = 0, **_: Any):
+    return PowerSGDHookState(rank=rank, process_group=process_group, seed=seed), powersgd_hook
 
 
 REGISTRY: dict[str, Algorithm] = {
@@ -41,6 +78,17 @@ REGISTRY: dict[str, Algorithm] = {
                   lambda process_group=None, **_: (FP16State(process_group), fp16_hook)),
         Algorithm("covap", "COVAP coarse-grained filter + discounted error feedback (arXiv 2311.04499)",
                   _covap),
+        Algorithm("powersgd", "torch's PowerSGD hook, rank --rank, error feedback (Vogels et al. 2019); "
+                  "one DDP bucket on Gloo", _powersgd, single_bucket=True),
+        Algorithm("topk", "top-k sparsification, --density, sparse all-gather (Aji & Heafield 2017)",
+                  _compressed("topk")),
+        Algorithm("randomk", "random-k with a seed shared by all ranks, all-reduce", _compressed("randomk")),
+        Algorithm("dgc", "DGC sampled threshold with density warm-up (Lin et al. 2018)", _compressed("dgc")),
+        Algorithm("redsync", "RedSync threshold binary search (Fang et al. 2019)", _compressed("redsync")),
+        Algorithm("qsgd", "QSGD stochastic quantisation, --levels (Alistarh et al. 2017)", _compressed("qsgd")),
+        Algorithm("signsgd", "EF-SignSGD scaled sign (Karimireddy et al. 2019)", _compressed("signsgd")),
+        Algorithm("bf16", "cast to bfloat16, all-reduce", _compressed("bf16")),
+        Algorithm("gravac", "GraVAC adaptive compression factor, --compressor (Tyagi & Swany 2023)", _gravac),
     )
 }
 
@@ -62,4 +110,5 @@ def build_hook(name: str, process_group: dist.ProcessGroup | None = None, **opti
 
 
 __all__ = ["REGISTRY", "Algorithm", "register", "build_hook", "HookState", "AllReduceState",
-           "FP16State", "CovapState", "CovapPlan", "allreduce_hook", "fp16_hook", "covap_hook"]
+           "FP16State", "CovapState", "CovapPlan", "CompressedState", "GravacState", "PowerSGDHookState",
+           "allreduce_hook", "fp16_hook", "covap_hook", "compressed_hook", "gravac_hook", "powersgd_hook"]

@@ -60,7 +60,9 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     metrics.write_text(json.dumps(result, indent=1, default=str))
 
     its, eps = result["iterations"], result["epochs"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    adaptive = [i for i in its if "compression_factor" in i]
+    fig, axes = plt.subplots(1, 3 if adaptive else 2, figsize=(15 if adaptive else 10, 4))
+    ax1, ax2 = axes[0], axes[1]
     ax1.plot([i["wall_s"] for i in its], [i["loss"] for i in its], lw=0.6, alpha=0.5, label="per step")
     window = max(1, len(its) // 50)
     if len(its) >= window:
@@ -74,6 +76,11 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
     ax2.plot([e["wall_s"] for e in eps], [e["test_acc"] * 100 for e in eps], "o-")
     ax2.set_xlabel("wall-clock time (s)")
     ax2.set_ylabel("test accuracy (%)")
+    if adaptive:
+        axes[2].step([i["wall_s"] for i in adaptive], [i["compression_factor"] for i in adaptive], where="post")
+        axes[2].set_yscale("log")
+        axes[2].set_xlabel("wall-clock time (s)")
+        axes[2].set_ylabel("compression factor chosen (x)")
     s = result["summary"]
     fig.suptitle(f"{s['algorithm']} on {result['config']['workload']}, world size {s['world_size']}")
     fig.tight_layout()

@@ -28,6 +28,11 @@ class TrainConfig:
     seed: int = 0
     max_steps: int | None = None  # stop after this many optimizer steps in total
     ratio: int | str = 3          # COVAP compression ratio K, or "auto"
+    density: float = 0.01         # kept fraction for top-k, random-k, DGC, RedSync
+    error_feedback: bool = True   # error feedback for the compressors of the compressor library
+    compressor: str = "topk"      # GraVAC's sparsifier
+    levels: int = 127             # QSGD quantisation levels
+    powersgd_rank: int = 2        # PowerSGD matrix approximation rank
     bucket_cap_mb: float = 0.1    # DDP bucket size (MB)
     data_dir: str | None = None
     out: str | None = None
@@ -58,6 +63,10 @@ class TrainConfig:
             check_int("max_steps", self.max_steps, 1)
         if self.ratio != "auto":
             self.ratio = check_int("ratio", self.ratio, 1, 32)
+        check_float("density", self.density, 0.0, 1.0, low_inclusive=False)
+        check_choice("compressor", self.compressor, ["topk", "dgc", "redsync", "randomk"])
+        check_int("levels", self.levels, 1, 32767)
+        check_int("powersgd_rank", self.powersgd_rank, 1, 64)
         check_float("bucket_cap_mb", self.bucket_cap_mb, 0.0, 1024.0, low_inclusive=False)
         check_float("timeout", self.timeout, 1.0, 86_400.0)
         check_choice("backend", self.backend, ["auto", "gloo", "nccl"])

@@ -75,6 +75,13 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     queue = ctx.SimpleQueue()
     procs = mp.start_processes(_spawned, args=(cfg.workers, _free_port(), cfg, queue),
                                nprocs=cfg.workers, join=False, start_method="spawn")
-    while not procs.join(timeout=1.0):
-        pass
-    return queue.get() if not queue.empty() else None
+    # Read rank 0's result while waiting: a large result blocks its writer until it is read.
+    result = None
+    while True:
+        if result is None and not queue.empty():
+            result = queue.get()
+        if procs.join(timeout=0.5):
+            break
+    if result is None and not queue.empty():
+        result = queue.get()
+    return result

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from ..algorithms import build_hook
+from ..algorithms import REGISTRY, build_hook
 from ..algorithms.covap import CovapState
 from ..comm.agreement import check_config_agreement
 from ..profiler.ccr import ddp_bucket_numels, measure_ccr, time_compute
@@ -63,19 +63,24 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
 
     workload = get_workload(cfg.workload)
     train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
-    torch.manual_seed(cfg.seed)
-    model = workload.make_model().to(device)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_cap_mb,
-                                  device_ids=[device.index] if device.type == "cuda" else None)
-    state, hook = build_hook(cfg.algorithm, ratio=cfg.ratio)
-    ddp.register_comm_hook(state, hook)
-    check_config_agreement(state.config())
-
     sampler = DistributedSampler(TensorDataset(train_x), num_replicas=world, rank=rank,
                                  shuffle=True, seed=cfg.seed, drop_last=True)
     batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
     loader = DataLoader(TensorDataset(train_x, train_y), sampler=batches, batch_size=None)
     steps_per_epoch = len(batches)
+
+    torch.manual_seed(cfg.seed)
+    model = workload.make_model().to(device)
+    # PowerSGD's hook launches collectives from callbacks: on Gloo it is safe only with one bucket.
+    cap = 1e4 if REGISTRY[cfg.algorithm].single_bucket else cfg.bucket_cap_mb
+    ddp = DistributedDataParallel(model, bucket_cap_mb=cap,
+                                  device_ids=[device.index] if device.type == "cuda" else None)
+    state, hook = build_hook(cfg.algorithm, model=model, ratio=cfg.ratio, density=cfg.density,
+                             error_feedback=cfg.error_feedback, compressor=cfg.compressor,
+                             levels=cfg.levels, rank=cfg.powersgd_rank, seed=cfg.seed,
+                             batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch)
+    ddp.register_comm_hook(state, hook)
+    check_config_agreement(state.config())
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
@@ -135,10 +140,16 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             sched.step()
             train_time += dt
             step += 1
+            if hasattr(state, "record_step"):  # GraVAC: compression throughput = samples/s x gain
+                state.record_step(cfg.batch_size / dt)
             sent = state.bytes_sent
-            iterations.append({"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
-                               "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
-                               "lr": sched.get_last_lr()[0]})
+            record = {"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
+                      "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
+                      "lr": sched.get_last_lr()[0]}
+            for key in ("compression_factor", "density"):
+                if key in getattr(state, "last_step", {}):
+                    record[key] = state.last_step[key]
+            iterations.append(record)
             last_bytes = sent
             if progress is not None:
                 progress.update(1)
@@ -147,8 +158,12 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         test_loss, test_acc = _evaluate(ddp.module, test_x, test_y, device)
         epoch_log.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_acc": test_acc,
                           "wall_s": time.perf_counter() - wall0})
-        if progress is not None:
-            progress.write(f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {test_acc * 100:.2f}%")
+        if rank == 0:
+            line = f"epoch {epoch}: test loss {test_loss:.4f}, test accuracy {test_acc * 100:.2f}%"
+            if progress is not None:
+                progress.write(line)
+            else:
+                print(line, flush=True)
         if step >= total_steps:
             break
     if progress is not None:

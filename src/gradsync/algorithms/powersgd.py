@@ -1,0 +1,66 @@
+"""torch's PowerSGD hook (Vogels, Karimireddy & Jaggi, NeurIPS 2019), wrapped with gradsync counters.
+
+The compression itself is ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` unchanged
+(rank-r approximation ``M ~ P Q^T`` with two all-reduces, error feedback, warm start). On Gloo it
+works only with a single DDP bucket (its ``.then`` callbacks launch collectives; see
+``shared/specs/platform.md``), so the training loop builds DDP with one bucket for it.
+Bytes sent are read from torch's own element counters (``total_numel_after_compression``).
+"""
+
+# No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from ..validation import check_int
+from .base import HookState
+
+
+class PowerSGDHookState(HookState):
+    """gradsync state around a ``torch`` ``PowerSGDState``.
+
+    Args:
+        rank: matrix approximation rank r in [1, 64].
+        start_iter: dense all-reduce for the first ``start_iter`` iterations (>= 2).
+        process_group: group of the all-reduces.
+
+    Raises:
+        ValueError: for arguments outside those ranges.
+    """
+
+    def __init__(self, rank: int = 2, start_iter: int = 2, process_group: dist.ProcessGroup | None = None,
+                 seed: int = 0):
+        super().__init__(process_group)
+        self.rank = check_int("rank", rank, 1, 64)
+        self.start_iter = check_int("start_iter", start_iter, 2)
+        self.torch_state = torch_powersgd.PowerSGDState(
+            process_group=process_group, matrix_approximation_rank=self.rank,
+            start_powerSGD_iter=self.start_iter, use_error_feedback=True, warm_start=True,
+            random_seed=seed)
+
+    def config(self) -> dict[str, Any]:
+        return {"algorithm": "powersgd", "rank": self.rank, "start_iter": self.start_iter}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "torch_state": self.torch_state.__getstate__()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.torch_state.__setstate__(state["torch_state"])
+        self.torch_state.process_group = self.process_group or dist.distributed_c10d._get_default_group()
+
+
+def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``powerSGD_hook`` on ``bucket`` (float32 ``[numel]``), counting the elements it sends."""
+    buf = bucket.buffer()
+    ts = state.torch_state
+    before = ts.total_numel_after_compression
+    with state.compression_timer():
+        fut = torch_powersgd.powerSGD_hook(ts, bucket)
+    sent = ts.total_numel_after_compression - before
+    state.collectives += 1 if sent == 0 else 2
+    state.bytes_sent += (sent if sent else buf.numel()) * buf.element_size()
+    state.end_bucket(bucket)
+    return fut
