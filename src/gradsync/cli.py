@@ -7,18 +7,23 @@ import sys
 
 
 def _ratio(value: str):
-    return value if value == "auto" else int(value)
+    """A number or the word ``auto``."""
+    if value == "auto":
+        return value
+    number = float(value)
+    return int(number) if number.is_integer() else number
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     from .algorithms import REGISTRY
     from .train.config import TrainConfig
+    from .train.parallel import DEAR_ALGORITHMS
     from .workloads import WORKLOADS
 
     d = TrainConfig()
     p = sub.add_parser("train", help="data-parallel training with a gradient-synchronisation algorithm",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--algorithm", default=d.algorithm, choices=sorted(REGISTRY))
+    p.add_argument("--algorithm", default=d.algorithm, choices=sorted([*REGISTRY, *DEAR_ALGORITHMS]))
     p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
     p.add_argument("--workers", type=int, default=d.workers,
                    help="local ranks on 127.0.0.1 (ignored under torchrun, which sets the world size)")
@@ -40,6 +45,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", dest="powersgd_rank", type=int, default=d.powersgd_rank,
                    help="PowerSGD matrix approximation rank")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="DDP bucket size (MB)")
+    p.add_argument("--fusion-mb", type=_ratio, default=d.fusion_mb,
+                   help="DeAR tensor-fusion threshold in MB, or 'auto' (Bayesian optimisation over 1-256 MB)")
     p.add_argument("--data-dir", default=None,
                    help="directory with the Fashion-MNIST idx files (default /usr/share/datasets/fashion-mnist)")
     p.add_argument("--out", default=None, help="write metrics.json and curves.png here")
@@ -61,7 +68,7 @@ def _train(args: argparse.Namespace) -> int:
         epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         max_steps=args.max_steps, ratio=args.ratio, density=args.density,
         error_feedback=args.error_feedback, compressor=args.compressor, levels=args.levels,
-        powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb,
+        powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb, fusion_mb=args.fusion_mb,
         data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
         progress=not args.no_progress,
     )

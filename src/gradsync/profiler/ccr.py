@@ -11,25 +11,13 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ..validation import check_int
-
-
-@dataclass(frozen=True)
-class ComputeTiming:
-    """Median compute-only times of a training step, in seconds (no communication)."""
-
-    forward_s: float
-    backward_s: float
-
-    @property
-    def step_s(self) -> float:
-        return self.forward_s + self.backward_s
 
 
 @dataclass(frozen=True)
@@ -53,38 +41,6 @@ def ddp_bucket_numels(ddp: DistributedDataParallel) -> list[int]:
     except ValueError:
         numels = []
     return numels if numels and sum(numels) == total else [total]
-
-
-def time_compute(
-    ddp: DistributedDataParallel,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    steps: int = 3,
-) -> ComputeTiming:
-    """Time forward and backward under ``ddp.no_sync()`` (no gradient communication) for ``steps``
-    batches and return the medians. Gradients are cleared afterwards; parameters are not updated.
-
-    Raises:
-        ValueError: if ``steps`` < 1 or ``batches`` runs out.
-    """
-    steps = check_int("steps", steps, 1)
-    fwd, bwd = [], []
-    it = iter(batches)
-    for _ in range(steps):
-        try:
-            x, y = next(it)
-        except StopIteration:
-            raise ValueError("batches ran out before the compute timing finished") from None
-        with ddp.no_sync():
-            t0 = time.perf_counter()
-            loss = loss_fn(ddp(x), y)
-            t1 = time.perf_counter()
-            loss.backward()
-            t2 = time.perf_counter()
-        fwd.append(t1 - t0)
-        bwd.append(t2 - t1)
-    ddp.zero_grad(set_to_none=True)
-    return ComputeTiming(statistics.median(fwd), statistics.median(bwd))
 
 
 def time_dense_allreduce(

@@ -34,6 +34,7 @@ class TrainConfig:
     levels: int = 127             # QSGD quantisation levels
     powersgd_rank: int = 2        # PowerSGD matrix approximation rank
     bucket_cap_mb: float = 0.1    # DDP bucket size (MB)
+    fusion_mb: float | str = 25.0  # DeAR tensor-fusion threshold (MB) or "auto"
     data_dir: str | None = None
     out: str | None = None
     timeout: float = 120.0        # seconds before a collective with a dead peer raises
@@ -48,8 +49,9 @@ class TrainConfig:
     def validate(self) -> None:
         from ..algorithms import REGISTRY
         from ..workloads import WORKLOADS
+        from .parallel import DEAR_ALGORITHMS
 
-        check_choice("algorithm", self.algorithm, sorted(REGISTRY))
+        check_choice("algorithm", self.algorithm, sorted([*REGISTRY, *DEAR_ALGORITHMS]))
         check_choice("workload", self.workload, sorted(WORKLOADS))
         check_int("workers", self.workers, 1, 64)
         check_int("threads", self.threads, 1, 256)
@@ -67,6 +69,8 @@ class TrainConfig:
         check_choice("compressor", self.compressor, ["topk", "dgc", "redsync", "randomk"])
         check_int("levels", self.levels, 1, 32767)
         check_int("powersgd_rank", self.powersgd_rank, 1, 64)
+        if self.fusion_mb != "auto":
+            self.fusion_mb = check_float("fusion_mb", self.fusion_mb, 0.0, 1e6, low_inclusive=False)
         check_float("bucket_cap_mb", self.bucket_cap_mb, 0.0, 1024.0, low_inclusive=False)
         check_float("timeout", self.timeout, 1.0, 86_400.0)
         check_choice("backend", self.backend, ["auto", "gloo", "nccl"])

@@ -10,15 +10,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from ..algorithms import REGISTRY, build_hook
 from ..algorithms.covap import CovapState
 from ..comm.agreement import check_config_agreement
-from ..profiler.ccr import ddp_bucket_numels, measure_ccr, time_compute
+from ..profiler.ccr import measure_ccr
+from ..profiler.compute import time_compute
 from ..workloads import get_workload
 from .config import TrainConfig
+from .parallel import DataParallel
 
 log = logging.getLogger(__name__)
 
@@ -68,46 +68,42 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
     loader = DataLoader(TensorDataset(train_x, train_y), sampler=batches, batch_size=None)
     steps_per_epoch = len(batches)
-
-    torch.manual_seed(cfg.seed)
-    model = workload.make_model().to(device)
-    # PowerSGD's hook launches collectives from callbacks: on Gloo it is safe only with one bucket.
-    cap = 1e4 if REGISTRY[cfg.algorithm].single_bucket else cfg.bucket_cap_mb
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cap,
-                                  device_ids=[device.index] if device.type == "cuda" else None)
-    state, hook = build_hook(cfg.algorithm, model=model, ratio=cfg.ratio, density=cfg.density,
-                             error_feedback=cfg.error_feedback, compressor=cfg.compressor,
-                             levels=cfg.levels, rank=cfg.powersgd_rank, seed=cfg.seed,
-                             batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch)
-    ddp.register_comm_hook(state, hook)
-    check_config_agreement(state.config())
     total_steps = cfg.epochs * steps_per_epoch
     if cfg.max_steps is not None:
         total_steps = min(total_steps, cfg.max_steps)
     epochs = math.ceil(total_steps / steps_per_epoch)
 
+    torch.manual_seed(cfg.seed)
+    model = workload.make_model().to(device)
+
+    def make_optimizer(params):
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
+                               weight_decay=cfg.weight_decay, nesterov=True)
+
     def loss_fn(out, y):
         return F.cross_entropy(out, y)
 
-    # Warm-up: two synchronised backward passes let DDP rebuild its buckets (and let hooks record
-    # the layout), then compute-only steps time forward+backward without communication.
     warm = [(train_x[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device),
              train_y[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device)) for i in range(2)]
-    for xb, yb in warm:
-        loss_fn(ddp(xb), yb).backward()
-    ddp.zero_grad(set_to_none=True)
-    compute = time_compute(ddp, (warm[i % 2] for i in range(cfg.compute_steps)), loss_fn, cfg.compute_steps)
+    compute = time_compute(model, warm, loss_fn, make_optimizer, cfg.compute_steps)
+
+    dp = DataParallel(cfg.algorithm, model, make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
+                      fusion_mb=cfg.fusion_mb, device=device, ratio=cfg.ratio, density=cfg.density,
+                      error_feedback=cfg.error_feedback, compressor=cfg.compressor, levels=cfg.levels,
+                      rank=cfg.powersgd_rank, seed=cfg.seed, batch_size=cfg.batch_size,
+                      steps_per_epoch=steps_per_epoch)
+    state, opt = dp.state, dp.optimizer
+    check_config_agreement(dp.config())
+    dp.warm_up(warm, loss_fn)
     ccr = None
     if isinstance(state, CovapState) and cfg.ratio == "auto":
-        ccr = measure_ccr(ddp_bucket_numels(ddp), compute.backward_s)
+        ccr = measure_ccr(dp.bucket_numels(), compute.backward_s)
         state.set_ratio(ccr.ratio)
         if rank == 0:
             print(f"COVAP --ratio auto: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
                   f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> K = {ccr.ratio}", flush=True)
-        check_config_agreement(state.config())
+        check_config_agreement(dp.config())
 
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                          weight_decay=cfg.weight_decay, nesterov=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps,
                                                 pct_start=0.15, anneal_strategy="cos")
 
@@ -130,10 +126,10 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                 break
             xb, yb = workload.augment(xb.to(device)), yb.to(device)
             t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(ddp(xb), yb)
+            dp.zero_grad()
+            loss = loss_fn(dp(xb), yb)
             loss.backward()
-            opt.step()
+            dp.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -142,7 +138,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             step += 1
             if hasattr(state, "record_step"):  # GraVAC: compression throughput = samples/s x gain
                 state.record_step(cfg.batch_size / dt)
-            sent = state.bytes_sent
+            sent = state.stats()["bytes_sent"]
             record = {"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
                       "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
                       "lr": sched.get_last_lr()[0]}
@@ -155,7 +151,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                 progress.update(1)
                 if step % 20 == 0:
                     progress.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
-        test_loss, test_acc = _evaluate(ddp.module, test_x, test_y, device)
+        dp.flush()
+        test_loss, test_acc = _evaluate(dp.module, test_x, test_y, device)
         epoch_log.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_acc": test_acc,
                           "wall_s": time.perf_counter() - wall0})
         if rank == 0:
@@ -183,6 +180,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         "samples_per_s": step * cfg.batch_size * world / train_time,
         "mean_iteration_s": sum(iter_times) / len(iter_times),
         "mean_compute_s": compute.step_s,
+        "optimizer_s": compute.optimizer_s,
         "forward_s": compute.forward_s,
         "backward_s": compute.backward_s,
         "bytes_per_iteration": bytes_sent / step,

@@ -1,0 +1,110 @@
+"""One handle over the two ways gradsync synchronises gradients: DDP + a communication hook, and
+wrappers that need more than a hook (DeAR). The training loop and ``gradsync bench`` use only this."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..algorithms import REGISTRY, build_hook
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+
+
+class DataParallel:
+    """Data-parallel training of ``model`` with algorithm ``name``.
+
+    Use: ``out = dp(x); loss.backward(); dp.step()``; ``dp.flush()`` before evaluation;
+    ``dp.state.stats()`` for bytes and timings; ``dp.optimizer`` for LR schedulers.
+
+    Args:
+        name: a registered hook algorithm, ``dear`` or ``dear-covap``.
+        model: the module, already on its device.
+        make_optimizer: ``make_optimizer(params) -> Optimizer``.
+        bucket_cap_mb: DDP bucket size (MB) for hook algorithms.
+        fusion_mb: DeAR tensor-fusion threshold (MB) or ``"auto"``.
+        options: algorithm options passed to the registry builder (``ratio``, ``density``, ...).
+
+    Raises:
+        ValueError: for an unknown ``name`` or out-of-range options.
+    """
+
+    def __init__(self, name: str, model: nn.Module, make_optimizer: OptimizerFactory,
+                 bucket_cap_mb: float = 25.0, fusion_mb: float | str = 25.0, device: torch.device | None = None,
+                 **options: Any):
+        self.name = name
+        self.module = model
+        self.wrapper: Any
+        if name in DEAR_ALGORITHMS:
+            from ..algorithms.dear import DeAR
+
+            self.optimizer = make_optimizer(model.parameters())
+            grad_filter = None
+            if name == "dear-covap":
+                from ..algorithms.dear_covap import CovapGradFilter
+
+                grad_filter = CovapGradFilter(ratio=options.get("ratio", 3))
+            self.wrapper = DeAR(model, self.optimizer, fusion_mb=fusion_mb, grad_filter=grad_filter,
+                                seed=options.get("seed", 0))
+            if grad_filter is not None:
+                grad_filter.bind(self.wrapper)
+            self.state = self.wrapper
+            self._step = self.wrapper.step
+        else:
+            if name not in REGISTRY:
+                known = sorted([*REGISTRY, *DEAR_ALGORITHMS])
+                raise ValueError(f"algorithm must be one of {', '.join(known)}; got {name!r}")
+            # PowerSGD's hook launches collectives from callbacks: on Gloo only one bucket is safe.
+            cap = 1e4 if REGISTRY[name].single_bucket else bucket_cap_mb
+            self.wrapper = DistributedDataParallel(
+                model, bucket_cap_mb=cap, device_ids=[device.index] if device is not None and device.type == "cuda" else None)
+            self.state, hook = build_hook(name, model=model, **options)
+            self.wrapper.register_comm_hook(self.state, hook)
+            self.optimizer = make_optimizer(self.wrapper.parameters())
+            self._step = self.optimizer.step
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wrapper(x)
+
+    def step(self) -> None:
+        """The optimizer step of this iteration (DeAR applies it lazily in the next forward)."""
+        self._step()
+
+    def zero_grad(self) -> None:
+        if self.name in DEAR_ALGORITHMS:
+            self.wrapper.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def flush(self) -> None:
+        """Apply any pending update (DeAR) so ``module`` holds the current parameters."""
+        if self.name in DEAR_ALGORITHMS:
+            self.wrapper.flush()
+
+    def warm_up(self, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Run one synchronised backward pass per batch and discard the gradients, so DDP rebuilds
+        its buckets and hooks pass their dense start-up iterations (``start_iter`` = 2) before
+        measured training starts. DeAR needs no warm-up; the call does nothing for it."""
+        if self.name in DEAR_ALGORITHMS:
+            return
+        for x, y in batches:
+            loss_fn(self.wrapper(x), y).backward()
+        self.zero_grad()
+
+    def bucket_numels(self) -> list[int]:
+        """Numel per DDP bucket (after the rebuild) or per DeAR fusion group."""
+        if self.name in DEAR_ALGORITHMS:
+            return list(self.wrapper.group_sizes())
+        from ..profiler.ccr import ddp_bucket_numels
+
+        return ddp_bucket_numels(self.wrapper)
+
+    def config(self) -> dict[str, Any]:
+        return self.state.config()
+
+
+DEAR_ALGORITHMS = ("dear", "dear-covap")

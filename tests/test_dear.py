@@ -1,0 +1,321 @@
+"""DeAR wrapper and fusion tuner: equality with DDP + the same optimizer on real Gloo ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run_ranks
+from gradsync.algorithms.dear import DeAR
+from gradsync.tuning import FusionTuner
+
+TINY_MB = 200 / 2**20  # ~200 bytes: several fusion groups on the small models below
+
+
+class MLP(nn.Module):
+    def __init__(self, bn: bool = False, unused: bool = False, extra: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(11, 13)
+        self.bn = nn.BatchNorm1d(13) if bn else None
+        self.fc2 = nn.Linear(13, 7)
+        self.unused = nn.Linear(3, 3) if unused else None  # never called: globally unused
+        self.extra = nn.Linear(7, 7) if extra else None  # called on rank 0 only
+        self.use_extra = False
+        self.head = nn.Linear(7, 3)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        if self.bn is not None:
+            x = self.bn(x)
+        x = self.fc2(torch.relu(x))
+        if self.extra is not None and self.use_extra:
+            x = self.extra(x)
+        return self.head(torch.relu(x))
+
+
+def _make_opt(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01, weight_decay=1e-4)
+    if name == "adamw-groups":  # two param groups with different settings
+        ps = list(params)
+        return torch.optim.AdamW([{"params": ps[:2], "lr": 0.02}, {"params": ps[2:]}], lr=0.005)
+    raise AssertionError(name)
+
+
+def _batches(rank, steps, n=8):
+    g = torch.Generator().manual_seed(1000 + rank)  # different data on every rank
+    return [(torch.randn(n, 11, generator=g), torch.randint(0, 3, (n,), generator=g)) for _ in range(steps)]
+
+
+def _compare(rank, world_size, opt_name, fusion_mb, steps, kw):
+    """Train a DDP copy and a DeAR copy side by side; return max parameter / output differences."""
+    kw = dict(kw)
+    model_kw = kw.pop("model_kw", {})
+    sched = kw.pop("scheduler", False)
+    regroup_at = kw.pop("regroup_at", None)
+    torch.manual_seed(0)
+    base = MLP(**model_kw)
+    if rank != 0:  # both wrappers must broadcast rank 0's initial state
+        with torch.no_grad():
+            for p in base.parameters():
+                p.add_(1.0)
+    ref = MLP(**model_kw)
+    ref.load_state_dict(base.state_dict())
+    mod = MLP(**model_kw)
+    mod.load_state_dict(base.state_dict())
+    for m in (ref, mod):
+        m.use_extra = rank == 0
+    ddp = DDP(ref, find_unused_parameters=bool(model_kw))
+    opt_ref = _make_opt(opt_name, ref.parameters())
+    opt = _make_opt(opt_name, mod.parameters())
+    dear = DeAR(mod, opt, fusion_mb=fusion_mb, **kw)
+    scheds = []
+    if sched:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt_ref, opt)]
+    loss_fn = nn.CrossEntropyLoss()
+    groups_seen = {dear.num_groups}
+    for t, (x, y) in enumerate(_batches(rank, steps)):
+        opt_ref.zero_grad()
+        loss_fn(ddp(x), y).backward()
+        opt_ref.step()
+        dear.zero_grad()
+        loss_fn(dear(x), y).backward()
+        dear.step()
+        for s in scheds:
+            s.step()
+        if regroup_at is not None and t in regroup_at:
+            dear.set_fusion_mb(regroup_at[t])
+        groups_seen.add(dear.num_groups)
+    dear.flush()
+    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
+    scale = max(a.abs().max().item() for a in ref.parameters())
+    bufdiff = max(((a.float() - b.float()).abs().max().item() for a, b in zip(ref.buffers(), mod.buffers())),
+                  default=0.0)
+    # evaluation after flush(): same outputs and accuracy as DDP
+    xt, yt = _batches(99, 1, n=64)[0]
+    ref.eval()
+    mod.eval()
+    with torch.no_grad():
+        out_ref, out = ref(xt), mod(xt)
+    acc_ref = (out_ref.argmax(1) == yt).float().mean().item()
+    acc = (out.argmax(1) == yt).float().mean().item()
+    # parameters identical across ranks
+    flat = torch.cat([p.detach().reshape(-1) for p in mod.parameters()])
+    gathered = [torch.zeros_like(flat) for _ in range(world_size)]
+    dist.all_gather(gathered, flat)
+    spread = max((g - flat).abs().max().item() for g in gathered)
+    return {
+        "diff": diff, "scale": scale, "bufdiff": bufdiff, "outdiff": (out - out_ref).abs().max().item(),
+        "acc": acc, "acc_ref": acc_ref, "spread": spread, "stats": dear.stats(),
+        "groups_seen": sorted(groups_seen), "lr": opt.param_groups[0]["lr"],
+        "lr_ref": opt_ref.param_groups[0]["lr"],
+    }
+
+
+def _check(results, tol=2e-5):
+    for r in results:
+        assert r["diff"] <= tol * max(1.0, r["scale"]), r
+        assert r["outdiff"] <= 1e-4, r
+        assert r["bufdiff"] <= 1e-4, r
+        assert r["acc"] == r["acc_ref"]
+        assert r["spread"] == 0.0
+        assert r["lr"] == r["lr_ref"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_matches_ddp(world_size, opt_name):
+    # SGD runs with a StepLR scheduler on the user's optimizer (halving the LR every step)
+    kw = {"scheduler": opt_name == "sgd"}
+    res = run_ranks(_compare, world_size, opt_name, TINY_MB, 5, kw, timeout=90, pg_timeout=20)
+    _check(res)
+    st = res[0]["stats"]
+    assert st["iteration"] == 5 and st["num_groups"] == 3  # fc1 | fc2 | head: one module per group
+    assert st["collectives"] == 2 * 5 * st["num_groups"]  # one reduce-scatter + one all-gather each
+    assert st["bytes_sent"] > st["dense_bytes"] > 0
+    assert st["rs_wait_seconds"] >= 0 and st["ag_wait_seconds"] >= 0
+    if opt_name == "sgd":
+        assert res[0]["lr"] == pytest.approx(0.05 * 0.5**5)
+
+
+def test_one_group_param_groups_and_lr_scheduler():
+    res = run_ranks(_compare, 3, "adamw-groups", 25.0, 4, {"scheduler": True}, timeout=90, pg_timeout=20)
+    _check(res)
+    assert res[0]["stats"]["num_groups"] == 1
+    assert res[0]["lr"] == pytest.approx(0.02 * 0.5**4)
+
+
+def test_unused_parameters():
+    # ``unused`` never runs on any rank (DDP leaves its grad None); ``extra`` runs on rank 0 only;
+    # all all-gathers launched at step() (max_allgathers)
+    kw = {"model_kw": {"unused": True, "extra": True}, "max_allgathers": 100}
+    res = run_ranks(_compare, 3, "sgd", TINY_MB, 4, kw, timeout=90, pg_timeout=20)
+    _check(res)
+
+
+def test_batchnorm_buffers():
+    res = run_ranks(_compare, 2, "sgd", TINY_MB, 4, {"model_kw": {"bn": True}}, timeout=90, pg_timeout=20)
+    _check(res)
+    assert res[0]["stats"]["buffer_broadcast_seconds"] > 0
+
+
+def test_regroup_mid_run():
+    res = run_ranks(_compare, 2, "adam", TINY_MB, 6, {"regroup_at": {1: 25.0, 3: 1e-6}},
+                    timeout=90, pg_timeout=20)
+    _check(res)
+    assert res[0]["groups_seen"] == [1, 3]
+
+
+def test_auto_fusion_tuning_keeps_results():
+    kw = {"tune_trials": 3, "tune_window": 2, "tune_warmup": 1}
+    res = run_ranks(_compare, 2, "sgd", "auto", 9, kw, timeout=90, pg_timeout=20)
+    _check(res)
+    tuning = [r["stats"]["tuning"] for r in res]
+    assert tuning[0] == tuning[1]  # same history and decision on every rank
+    assert tuning[0]["done"] and len(tuning[0]["trials"]) == 3
+    assert tuning[0]["trials"][0]["fusion_mb"] == 25.0
+    best = min(tuning[0]["trials"], key=lambda r: r["seconds"])["fusion_mb"]
+    assert tuning[0]["best_mb"] == best == res[0]["stats"]["fusion_mb"]
+    assert all(1.0 <= t["fusion_mb"] <= 256.0 for t in tuning[0]["trials"])
+
+
+def _filter_run(rank, world_size, mode):
+    torch.manual_seed(0)
+    model = MLP()
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def filt(flat, step, group):
+        calls.append((step, group, flat.numel()))
+        if mode == "skip":
+            return False
+        if group == 0:
+            return flat * 0.0  # a replacement tensor
+        flat.zero_()  # or in place
+        return None
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # a process group other than the default one (same ranks): DeAR derives its two groups from it
+    pg = dist.new_group(list(range(world_size))) if mode == "scale" else None
+    dear = DeAR(model, opt, process_group=pg, fusion_mb=TINY_MB, grad_filter=filt)
+    for x, y in _batches(rank, 3):
+        dear.zero_grad()
+        nn.functional.cross_entropy(dear(x), y).backward()
+        dear.step()
+    dear.flush()
+    moved = max((a - b).abs().max().item() for a, b in zip(before, model.parameters()))
+    return {"calls": calls, "moved": moved, "stats": dear.stats()}
+
+
+@pytest.mark.parametrize("mode", ["skip", "scale"])
+def test_grad_filter_hook(mode):
+    res = run_ranks(_filter_run, 2, mode, timeout=60, pg_timeout=20)
+    r = res[0]
+    assert res[0]["calls"] == res[1]["calls"]
+    # called for every group and step, in descending group order, with the group's flat gradient
+    assert [(s, g) for s, g, _ in r["calls"]] == [(s, g) for s in range(3) for g in (2, 1, 0)]
+    assert r["calls"][0][2] == 7 * 3 + 3  # head: weight 3x7 + bias 3
+    assert r["moved"] == 0.0  # zero (or no) gradient with plain SGD: parameters unchanged
+    if mode == "skip":
+        assert r["stats"]["collectives"] == 0 and r["stats"]["buckets_skipped"] == 9
+    else:
+        assert r["stats"]["collectives"] == 18
+
+
+def _resume_run(rank, world_size):
+    loss_fn = nn.CrossEntropyLoss()
+    data = _batches(rank, 6)
+
+    def build():
+        torch.manual_seed(0)
+        m = MLP()
+        o = torch.optim.Adam(m.parameters(), lr=0.01)
+        return m, o, DeAR(m, o, fusion_mb=TINY_MB)
+
+    def train(dear, batches):
+        for x, y in batches:
+            dear.zero_grad()
+            loss_fn(dear(x), y).backward()
+            dear.step()
+
+    m1, _, d1 = build()
+    train(d1, data)
+    d1.flush()
+    m2, _, d2 = build()
+    train(d2, data[:3])
+    sd = d2.state_dict()
+    m3, _, d3 = build()
+    d3.load_state_dict(sd)
+    train(d3, data[3:])
+    d3.flush()
+    return max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m3.parameters()))
+
+
+def test_state_dict_resume():
+    assert max(run_ranks(_resume_run, 2, timeout=60, pg_timeout=20)) <= 1e-6
+
+
+def _bad_args(rank, world_size):
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    errors = []
+    for kwargs in ({"fusion_mb": 0}, {"fusion_mb": -1.0}, {"fusion_mb": "fast"}, {"fusion_mb": float("nan")},
+                   {"tune_trials": 0}, {"tune_window": 1}, {"grad_filter": 3}, {"max_allgathers": 0}):
+        with pytest.raises(ValueError) as e:
+            DeAR(model, opt, **kwargs)
+        errors.append(str(e.value))
+    with pytest.raises(ValueError):
+        DeAR(model, torch.optim.LBFGS(model.parameters()))
+    with pytest.raises(ValueError):
+        DeAR(model, torch.optim.SGD(MLP().parameters(), lr=0.1))
+    with pytest.raises(ValueError):
+        DeAR("model", opt)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError):  # no trainable parameter
+        DeAR(frozen, torch.optim.SGD(frozen.parameters(), lr=0.1))
+    dear = DeAR(model, opt, fusion_mb=TINY_MB)
+    with pytest.raises(ValueError):
+        dear.set_fusion_mb(0)
+    x, y = _batches(rank, 1)[0]
+    nn.functional.cross_entropy(dear(x), y).backward()
+    with pytest.raises(RuntimeError):  # second backward before step(): no gradient accumulation
+        nn.functional.cross_entropy(dear(x), y).backward()
+    return errors
+
+
+def test_bad_arguments():
+    errors = run_ranks(_bad_args, 2, timeout=60, pg_timeout=20)[0]
+    assert "fusion_mb" in errors[0] and "tune_trials" in errors[4] and "tune_window" in errors[5]
+
+
+def test_requires_initialised_process_group():
+    m = MLP()
+    with pytest.raises(RuntimeError):
+        DeAR(m, torch.optim.SGD(m.parameters(), lr=0.1))
+
+
+def test_tuner_finds_minimum_and_validates():
+    tuner = FusionTuner(initial_mb=25.0, trials=8, window=3, warmup=2, seed=1)
+    now, regroups = 0.0, 0
+    for _ in range(100):
+        now += 0.1 + 0.01 * abs(math.log2(tuner.current_mb) - 2.0)  # fastest at 4 MB
+        if tuner.observe(now) is not None:
+            regroups += 1
+    rep = tuner.report()
+    assert rep["done"] and len(rep["trials"]) == 8 and regroups >= 2
+    assert rep["best_mb"] == min(rep["trials"], key=lambda r: r["seconds"])["fusion_mb"]
+    assert rep["trials"][0]["seconds"] == pytest.approx(0.1 + 0.01 * abs(math.log2(25.0) - 2.0))
+    restored = FusionTuner()
+    restored.load_state_dict(tuner.state_dict())
+    assert restored.report() == rep
+    for kwargs in ({"initial_mb": 0.5}, {"low_mb": 0}, {"high_mb": 0.5}, {"trials": 0}, {"window": 1},
+                   {"xi": -1}, {"warmup": -1}):
+        with pytest.raises(ValueError):
+            FusionTuner(**kwargs)
