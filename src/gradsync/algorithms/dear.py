@@ -74,8 +74,20 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 MAX_FUSION_MB = 1_000_000.0
 
-#: ``grad_filter(flat, step, group) -> None | bool | Tensor``; see :class:`DeAR`.
+#: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
 GradFilter = Callable[[torch.Tensor, int, int], Any]
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """A ``grad_filter`` result asking DeAR to reduce-scatter / all-gather only the elements
+    ``flat[start::stride]`` of a group, whose values to send are ``values`` (1-D, same dtype,
+    ``len(range(start, numel, stride))`` elements). The other positions get a zero averaged
+    gradient. Only this compact tensor (plus the used flags and padding) is communicated."""
+
+    start: int
+    stride: int
+    values: torch.Tensor
 
 
 @dataclass
@@ -97,6 +109,10 @@ class _Group:
     skipped: bool = False
     rs_work: Any = None
     ag_work: Any = None
+    sel: StridedShard | None = None  # this iteration's strided selection (grad_filter)
+    c_in: Any = None  # compact reduce-scatter input / shard / all-gather output for ``sel``
+    c_shard: Any = None
+    c_out: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +157,9 @@ class DeAR:
             (:attr:`iteration`) and ``group`` the group index. It may modify ``flat`` in place and
             return ``None``/``True``, return a tensor of the same shape to send instead, or return
             ``False`` to send nothing for this group this iteration (the group then gets a zero
-            averaged gradient; the decision must be identical on every rank). Its run time is added to
+            averaged gradient; the decision must be identical on every rank), or return a
+            :class:`StridedShard` to communicate only ``flat[start::stride]`` (the size must be
+            identical on every rank). Its run time is added to
             ``compress_seconds``.
         tune_trials, tune_window, tune_warmup: :class:`FusionTuner` settings for ``fusion_mb="auto"``
             (trials, iterations per trial, iterations ignored before the first trial).
@@ -387,13 +405,17 @@ class DeAR:
                 g.grad_buf[off:off + g.params[slot].numel()].zero_()
                 g.grad_buf[g.numel + slot] = 0.0
         g.launched = True
+        g.skipped = False
         self.dense_bytes += g.nbytes
         if self.grad_filter is not None:
             t0 = time.perf_counter()
             flat = g.grad_buf[: g.numel]
             out = self.grad_filter(flat, self.iteration, g.index)
+            g.sel = None
             if out is False:
                 g.skipped = True
+            elif isinstance(out, StridedShard):
+                self._compact(g, out)
             elif isinstance(out, torch.Tensor):
                 if out.shape != flat.shape:
                     raise RuntimeError(
@@ -404,9 +426,24 @@ class DeAR:
             if g.skipped:
                 self.buckets_skipped += 1
                 return
-        g.rs_work = _reduce_scatter(g.shard, g.grad_buf, group=self.rs_group, async_op=True)
+        src, dst = (g.c_in, g.c_shard) if g.sel is not None else (g.grad_buf, g.shard)
+        g.rs_work = _reduce_scatter(dst, src, group=self.rs_group, async_op=True)
         self.collectives += 1
-        self.bytes_sent += g.grad_buf.numel() * g.grad_buf.element_size()
+        self.bytes_sent += src.numel() * src.element_size()
+
+    def _compact(self, g: _Group, sel: StridedShard) -> None:
+        """Pack ``sel.values`` and the used flags into compact buffers padded to a multiple of P."""
+        m = len(range(sel.start, g.numel, sel.stride))
+        if sel.values.shape != (m,):
+            raise RuntimeError(f"StridedShard.values has shape {tuple(sel.values.shape)}, expected ({m},)")
+        n_flags = len(g.params)
+        padded = -(-(m + n_flags) // self.world_size) * self.world_size
+        g.c_in = g.grad_buf.new_zeros(padded)
+        g.c_in[:m] = sel.values
+        g.c_in[m:m + n_flags] = g.grad_buf[g.numel:g.numel + n_flags]
+        g.c_shard = g.grad_buf.new_zeros(padded // self.world_size)
+        g.c_out = g.grad_buf.new_zeros(padded)
+        g.sel = sel
 
     # ------------------------------------------------------------------ step: wait, start all-gather
     def step(self) -> None:
@@ -432,7 +469,7 @@ class DeAR:
                 g.gathered.zero_()
                 g.gathered[g.numel: g.numel + len(g.params)] = 1.0
             else:
-                g.shard.div_(self.world_size)
+                (g.c_shard if g.sel is not None else g.shard).div_(self.world_size)
             g.ready = [False] * len(g.params)
             g.n_ready = 0
             g.launched = False
@@ -464,9 +501,10 @@ class DeAR:
             if self._next_ag >= len(self._groups):
                 return
             g = self._groups[self._next_ag]
-            g.ag_work = _all_gather(g.gathered, g.shard, group=self.ag_group, async_op=True)
+            out, src = (g.c_out, g.c_shard) if g.sel is not None else (g.gathered, g.shard)
+            g.ag_work = _all_gather(out, src, group=self.ag_group, async_op=True)
             self.collectives += 1
-            self.bytes_sent += g.shard.numel() * g.shard.element_size()
+            self.bytes_sent += src.numel() * src.element_size()
             self._ag_inflight += 1
             self._next_ag += 1
 
@@ -488,6 +526,12 @@ class DeAR:
             g.ag_work = None
             self._ag_inflight -= 1
         self._launch_next_ag()
+        if g.sel is not None:  # expand the compact all-gather result; unsent positions are zero
+            m, n_flags = len(range(g.sel.start, g.numel, g.sel.stride)), len(g.params)
+            g.gathered.zero_()
+            g.gathered[g.sel.start:g.numel:g.sel.stride] = g.c_out[:m]
+            g.gathered[g.numel:g.numel + n_flags] = g.c_out[m:m + n_flags]
+            g.sel = g.c_in = g.c_shard = g.c_out = None
         flags = g.gathered[g.numel: g.numel + len(g.params)].tolist()
         with torch.no_grad():
             for slot, p in enumerate(g.params):

@@ -12,7 +12,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from ..algorithms.covap import CovapState
 from ..comm.agreement import check_config_agreement
 from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
@@ -96,9 +95,10 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     check_config_agreement(dp.config())
     dp.warm_up(warm, loss_fn)
     ccr = None
-    if isinstance(state, CovapState) and cfg.ratio == "auto":
+    covap = dp.covap_controller()
+    if covap is not None and cfg.ratio == "auto":
         ccr = measure_ccr(dp.bucket_numels(), compute.backward_s)
-        state.set_ratio(ccr.ratio)
+        covap.set_ratio(ccr.ratio)
         if rank == 0:
             print(f"COVAP --ratio auto: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
                   f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> K = {ccr.ratio}", flush=True)
@@ -191,8 +191,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     }
     if ccr is not None:
         summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s, ratio=ccr.ratio)
-    elif isinstance(state, CovapState):
-        summary["ratio"] = state.ratio
+    elif covap is not None:
+        summary["ratio"] = covap.ratio
     if rank != 0:
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,

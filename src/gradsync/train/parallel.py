@@ -38,6 +38,7 @@ class DataParallel:
         self.name = name
         self.module = model
         self.wrapper: Any
+        self.grad_filter: Any = None
         if name in DEAR_ALGORITHMS:
             from ..algorithms.dear import DeAR
 
@@ -46,11 +47,13 @@ class DataParallel:
             if name == "dear-covap":
                 from ..algorithms.dear_covap import CovapGradFilter
 
-                grad_filter = CovapGradFilter(ratio=options.get("ratio", 3))
+                ratio = options.get("ratio", 3)
+                grad_filter = CovapGradFilter(ratio=1 if ratio == "auto" else ratio)
             self.wrapper = DeAR(model, self.optimizer, fusion_mb=fusion_mb, grad_filter=grad_filter,
                                 seed=options.get("seed", 0))
             if grad_filter is not None:
                 grad_filter.bind(self.wrapper)
+            self.grad_filter = grad_filter
             self.state = self.wrapper
             self._step = self.wrapper.step
         else:
@@ -104,7 +107,17 @@ class DataParallel:
         return ddp_bucket_numels(self.wrapper)
 
     def config(self) -> dict[str, Any]:
-        return self.state.config()
+        """Fields every rank must agree on (algorithm, its options)."""
+        extra = self.grad_filter.config() if self.grad_filter is not None else {}
+        return {**self.state.config(), **extra}
+
+    def covap_controller(self) -> Any:
+        """The object whose ``set_ratio(K)`` sets COVAP's ratio (``covap`` or ``dear-covap``), else None."""
+        from ..algorithms.covap import CovapState
+
+        if isinstance(self.state, CovapState):
+            return self.state
+        return self.grad_filter
 
 
 DEAR_ALGORITHMS = ("dear", "dear-covap")
