@@ -17,30 +17,10 @@ from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..workloads import get_workload
 from .config import TrainConfig
+from .evaluate import evaluate
 from .parallel import DataParallel
 
 log = logging.getLogger(__name__)
-
-
-def _evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-              group=None, batch: int = 1000) -> tuple[float, float]:
-    """Test loss (mean cross-entropy) and accuracy in [0, 1] over the whole set; each rank takes
-    every world-th sample and the sums are all-reduced."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    xs, ys = x[rank::world], y[rank::world]
-    sums = torch.zeros(3, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for i in range(0, xs.shape[0], batch):
-            xb, yb = xs[i:i + batch].to(device), ys[i:i + batch].to(device)
-            out = model(xb)
-            sums[0] += F.cross_entropy(out, yb, reduction="sum").item()
-            sums[1] += (out.argmax(1) == yb).sum().item()
-            sums[2] += yb.numel()
-    model.train(was_training)
-    dist.all_reduce(sums, group=group)
-    return float(sums[0] / sums[2]), float(sums[1] / sums[2])
 
 
 def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] | None:
@@ -152,7 +132,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                 if step % 20 == 0:
                     progress.set_postfix(loss=f"{loss.item():.3f}", epoch=epoch)
         dp.flush()
-        test_loss, test_acc = _evaluate(dp.module, test_x, test_y, device)
+        test_loss, test_acc = evaluate(dp.module, test_x, test_y, device)
         epoch_log.append({"epoch": epoch, "step": step, "test_loss": test_loss, "test_acc": test_acc,
                           "wall_s": time.perf_counter() - wall0})
         if rank == 0:

@@ -1,0 +1,1 @@
+"""``gradsync bench``: several algorithms on the same workload and network, interleaved, one report."""

@@ -1,0 +1,220 @@
+"""The per-rank side of ``gradsync bench``: time every algorithm on one process group, interleaved.
+
+Every rank runs ``run_bench(cfg)`` after ``init_process_group``. For each round, each algorithm in
+turn trains a fresh copy of the same model (same seed) for ``warmup`` untimed and ``steps`` timed
+iterations on the same batches; a compute-only pass (all ranks computing at once, no communication,
+so CPU contention on one machine matches the communicating runs) is timed in every round too.
+Run as ``python -m gradsync.bench.worker CONFIG.json RESULT.json`` with the torch.distributed
+environment variables set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 writes the result.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..comm.agreement import check_config_agreement
+from ..profiler.ccr import measure_ccr
+from ..profiler.compute import time_compute
+from ..train.evaluate import evaluate
+from ..train.parallel import DEAR_ALGORITHMS, DataParallel
+from ..workloads import get_workload
+from .config import BenchConfig
+
+
+def _batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int, n: int, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    idx = torch.randperm(x.shape[0], generator=g)[: n * batch]
+    return [(x[idx[i * batch:(i + 1) * batch]], y[idx[i * batch:(i + 1) * batch]]) for i in range(n)]
+
+
+def _release(dp: DataParallel) -> None:
+    """Remove DeAR's hooks and process groups so the next algorithm starts clean."""
+    if dp.name in DEAR_ALGORITHMS:
+        dp.wrapper.remove_hooks()
+        for g in (dp.wrapper.rs_group, dp.wrapper.ag_group):
+            dist.destroy_process_group(g)
+
+
+def _train_steps(dp: DataParallel, batches, loss_fn, times: list[float] | None) -> None:
+    for x, y in batches:
+        t0 = time.perf_counter()
+        dp.zero_grad()
+        loss_fn(dp(x), y).backward()
+        dp.step()
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(values, n=10) if len(values) >= 2 else [values[0]] * 9
+    return {"median": statistics.median(values), "p10": q[0], "p90": q[-1], "mean": statistics.fmean(values)}
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
+    """Benchmark ``cfg.algorithms`` on the initialised default group; rank 0 returns the results.
+
+    Raises:
+        ConfigMismatchError: if the ranks were given different configurations.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(cfg.threads)
+    check_config_agreement(json.loads(cfg.to_json()))
+    workload = get_workload(cfg.workload)
+    train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
+    torch.manual_seed(cfg.seed)
+    model0 = workload.make_model()
+    n_batches = cfg.warmup + cfg.steps + 2
+    batches = _batches(train_x, train_y, rank, world, n_batches, cfg.batch_size, cfg.seed)
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out, y)
+
+    def make_optimizer(params):
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+
+    options = cfg.algorithm_options()
+    # Dense all-reduce CCR on this network: K for COVAP's "auto" and a figure for the report.
+    dist.barrier()
+    compute0 = time_compute(model0, batches, loss_fn, make_optimizer, steps=5)
+    probe = DataParallel("allreduce", copy.deepcopy(model0), make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb)
+    probe.warm_up(batches[:2], loss_fn)
+    ccr = measure_ccr(probe.bucket_numels(), compute0.backward_s)
+    if options["ratio"] == "auto":
+        options["ratio"] = ccr.ratio
+
+    records: dict[str, dict[str, list[float]]] = {
+        a: {"iter_s": [], "bytes": [], "compress_s": [], "rs_wait_s": [], "ag_wait_s": []} for a in cfg.algorithms
+    }
+    compute_steps: list[float] = []
+    for rnd in range(cfg.rounds):
+        dist.barrier()
+        t = time_compute(model0, batches[2:], loss_fn, make_optimizer, steps=cfg.steps)
+        compute_steps.append(t.step_s + t.optimizer_s)
+        for name in cfg.algorithms:
+            dist.barrier()
+            dp = DataParallel(name, copy.deepcopy(model0), make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
+                              fusion_mb=cfg.fusion_mb, **options)
+            dp.warm_up(batches[:2], loss_fn)
+            _train_steps(dp, batches[2:2 + cfg.warmup], loss_fn, None)
+            s0 = dp.state.stats()
+            times: list[float] = []
+            _train_steps(dp, batches[2 + cfg.warmup:], loss_fn, times)
+            dp.flush()
+            s1 = dp.state.stats()
+            rec = records[name]
+            rec["iter_s"].extend(times)
+            n = len(times)
+            rec["bytes"].append((s1["bytes_sent"] - s0["bytes_sent"]) / n)
+            rec["compress_s"].append((s1["compress_seconds"] - s0["compress_seconds"]) / n)
+            rec["rs_wait_s"].append((s1.get("rs_wait_seconds", 0.0) - s0.get("rs_wait_seconds", 0.0)) / n)
+            rec["ag_wait_s"].append((s1.get("ag_wait_seconds", 0.0) - s0.get("ag_wait_seconds", 0.0)) / n)
+            if rank == 0:
+                print(f"round {rnd + 1}/{cfg.rounds} {name}: median {statistics.median(times) * 1e3:.1f} ms",
+                      flush=True)
+            _release(dp)
+
+    accuracy = _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimizer, loss_fn,
+                                 options) if cfg.to_accuracy else {}
+    if rank != 0:
+        return None
+    compute_s = statistics.median(compute_steps)
+    base = statistics.median(records[cfg.algorithms[0]]["iter_s"])
+    if "allreduce" in records:
+        base = statistics.median(records["allreduce"]["iter_s"])
+    rows = []
+    for name in cfg.algorithms:
+        rec = records[name]
+        it = _summary(rec["iter_s"])
+        compress = statistics.median(rec["compress_s"])
+        rows.append({
+            "algorithm": name,
+            "iteration_s": it,
+            "speedup_vs_allreduce": base / it["median"],
+            "scaling_efficiency": compute_s / it["median"],
+            "exposed_comm_s": max(0.0, it["median"] - compute_s - compress),
+            "compression_overhead_s": compress,
+            "bytes_per_iteration": statistics.median(rec["bytes"]),
+            "rs_wait_s": statistics.median(rec["rs_wait_s"]),
+            "ag_wait_s": statistics.median(rec["ag_wait_s"]),
+            "iteration_samples_s": rec["iter_s"],
+            **({"time_to_accuracy": accuracy[name]} if name in accuracy else {}),
+        })
+    return {
+        "config": json.loads(cfg.to_json()),
+        "world_size": world,
+        "compute_only_s": compute_s,
+        "compute_only_rounds_s": compute_steps,
+        "forward_s": compute0.forward_s,
+        "backward_s": compute0.backward_s,
+        "dense_allreduce_s": ccr.allreduce_s,
+        "dense_ccr": ccr.ccr,
+        "covap_ratio": options["ratio"],
+        "rows": rows,
+    }
+
+
+def _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimizer, loss_fn, options):
+    """Train each algorithm from the same start until ``cfg.to_accuracy`` on a 2,000-sample test
+    subset (evaluated every ``eval_every`` steps, evaluation time excluded). Returns per algorithm
+    ``{"seconds": float | None, "steps": int, "curve": [(train_seconds, accuracy), ...]}``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tx, ty = test_x[:2000], test_y[:2000]
+    out = {}
+    g = torch.Generator().manual_seed(cfg.seed + 17)
+    for name in cfg.algorithms:
+        dist.barrier()
+        dp = DataParallel(name, copy.deepcopy(model0), make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
+                          fusion_mb=cfg.fusion_mb, **options)
+        perm = torch.randperm(train_x.shape[0], generator=g)
+        shard = perm[rank::world]
+        elapsed, steps, curve, reached = 0.0, 0, [], None
+        while steps < cfg.max_accuracy_steps and reached is None:
+            for i in range(cfg.eval_every):
+                lo = ((steps + i) * cfg.batch_size) % (shard.numel() - cfg.batch_size)
+                idx = shard[lo:lo + cfg.batch_size]
+                t0 = time.perf_counter()
+                dp.zero_grad()
+                loss_fn(dp(train_x[idx]), train_y[idx]).backward()
+                dp.step()
+                elapsed += time.perf_counter() - t0
+            steps += cfg.eval_every
+            dp.flush()
+            _, acc = evaluate(dp.module, tx, ty, torch.device("cpu"))
+            curve.append((elapsed, acc))
+            if acc >= cfg.to_accuracy:
+                reached = elapsed
+        out[name] = {"seconds": reached, "steps": steps, "curve": curve}
+        _release(dp)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for one rank: ``python -m gradsync.bench.worker CONFIG.json RESULT.json``."""
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = BenchConfig.from_json(open(argv[0]).read())
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg.timeout))
+    try:
+        result = run_bench(cfg)
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        tmp = argv[1] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
