@@ -1,4 +1,4 @@
-"""The ``gradsync`` command line: ``gradsync train ...`` (see ``gradsync train --help``)."""
+"""The ``gradsync`` command line: ``train``, ``bench``, ``profile``, ``simulate`` (see ``gradsync CMD --help``)."""
 
 from __future__ import annotations
 
@@ -178,11 +178,137 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    from .algorithms import REGISTRY
+
+    p = sub.add_parser("profile", help="per-bucket sizes and backward ready times, CCR, optional trace",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="fashion-mnist",
+                   help="a training workload (its model on real batches) or 'resnet50' (3x224x224)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--bucket-cap-mb", type=float, default=0.1, help="DDP bucket size (MB)")
+    p.add_argument("--iterations", type=int, default=3, help="measured iterations (medians)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bandwidth", type=float, default=1000.0, help="Mbit/s for the CCR estimate")
+    p.add_argument("--world-size", type=int, default=2, help="world size for the CCR estimate")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--out", default="profile.json", help="profile JSON (input of gradsync simulate)")
+    p.add_argument("--trace", default=None, help="also write a Chrome trace of one iteration per rank here")
+    p.add_argument("--algorithm", default="allreduce", choices=sorted(REGISTRY), help="algorithm traced")
+    p.add_argument("--workers", type=int, default=2, help="ranks in the traced run")
+    p.add_argument("--ratio", type=int, default=3, help="COVAP K in the traced run")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from .profiler.profile import ccr_at, model_for_profile, record_profile
+    from .validation import check_float, check_int
+
+    check_int("batch_size", args.batch_size, 1)
+    check_int("threads", args.threads, 1)
+    check_int("world_size", args.world_size, 1)
+    check_float("bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
+    torch.set_num_threads(args.threads)
+    model, make_batch, loss_fn = model_for_profile(args.model, args.batch_size, args.data_dir)
+    prof = record_profile(model, make_batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                          args.model, args.batch_size, args.bucket_cap_mb, args.iterations)
+    ccr = ccr_at(prof, args.world_size, args.bandwidth)
+    prof["ccr"] = {"world_size": args.world_size, "bandwidth_mbit": args.bandwidth, "dense_allreduce_ccr": ccr}
+    table = Table(title=f"gradsync profile: {args.model}, batch {args.batch_size}, {args.threads} thread(s)",
+                  caption=(f"forward {prof['forward_s'] * 1e3:.1f} ms, backward {prof['backward_s'] * 1e3:.1f} ms, "
+                           f"optimizer {prof['optimizer_s'] * 1e3:.1f} ms; dense all-reduce CCR at "
+                           f"{args.bandwidth:g} Mbit/s, {args.world_size} ranks: {ccr:.2f}"))
+    for col in ("bucket", "elements", "MB", "ready after backward start (ms)"):
+        table.add_column(col, justify="right")
+    for b in prof["buckets"]:
+        table.add_row(str(b["index"]), f"{b['numel']:,}", f"{b['numel'] * prof['dtype_bytes'] / 1e6:.3f}",
+                      f"{b['ready_s'] * 1e3:.1f}")
+    Console(width=120).print(table)
+    with open(args.out, "w") as f:
+        json.dump(prof, f, indent=1)
+    print(f"wrote {args.out}")
+    if args.trace:
+        from .profiler.trace import run_trace
+
+        path = run_trace(args.trace, args.algorithm, args.model, workers=args.workers,
+                         batch_size=args.batch_size, bucket_cap_mb=args.bucket_cap_mb, threads=args.threads,
+                         data_dir=args.data_dir, ratio=args.ratio)
+        print(f"wrote {path} (open in chrome://tracing or ui.perfetto.dev)")
+    return 0
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="predict iteration time and scaling efficiency from a profile",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--profile", required=True, help="profile JSON from gradsync profile")
+    p.add_argument("--algorithms", default="dense,fp16,covap:4,topk:0.01,powersgd:4,dear",
+                   help="plans: dense, fp16, covap:K, topk:density, powersgd:rank, dear")
+    p.add_argument("--world-sizes", default="2,4,8,16,32,64,128,256")
+    p.add_argument("--bandwidths", default="1,10,25", help="link rates in Gbit/s")
+    p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
+    p.add_argument("--compute-scale", type=float, default=1.0,
+                   help="multiply the profile's compute times (e.g. 0.02 for a GPU 50x faster than the CPU "
+                        "that recorded it)")
+    p.add_argument("--out", default="runs/simulate", help="directory for simulate.json and scaling.png")
+    p.set_defaults(func=_simulate)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .sim.simulator import load_profile, plot_scaling, sweep
+    from .validation import check_float
+
+    scale = check_float("compute_scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
+    raw = json.loads(Path(args.profile).read_text())
+    for k in ("forward_s", "backward_s", "optimizer_s"):
+        raw[k] = raw[k] * scale
+    for b in raw.get("buckets", []):
+        b["ready_s"] = b["ready_s"] * scale
+    profile = load_profile(raw)
+    plans = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    sizes = [int(w) for w in args.world_sizes.split(",")]
+    bws = [float(b) for b in args.bandwidths.split(",")]
+    rows = sweep(profile, plans, sizes, bws, args.latency_us * 1e-6)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate.json").write_text(json.dumps({"profile": args.profile, "compute_scale": scale,
+                                                    "latency_s": args.latency_us * 1e-6, "rows": rows}, indent=1))
+    plot_scaling(rows, out / "scaling.png", title=f"{profile.model}, compute x{scale:g}")
+    names = list(dict.fromkeys(r["algorithm"] for r in rows))
+    table = Table(title=(f"gradsync simulate: {profile.model}, {profile.total_bytes / 1e6:.1f} MB of gradients, "
+                         f"compute {profile.compute_s * 1e3:.1f} ms/iter; cells: iteration ms (scaling efficiency)"))
+    table.add_column("Gbit/s", justify="right")
+    table.add_column("workers", justify="right")
+    for n in names:
+        table.add_column(n, justify="right")
+    for bw in bws:
+        for ws in sizes:
+            cells = {r["algorithm"]: r for r in rows if r["bandwidth_gbps"] == bw and r["world_size"] == ws}
+            table.add_row(f"{bw:g}", str(ws), *[f"{cells[n]['iteration_s'] * 1e3:.1f} ({cells[n]['scaling_efficiency'] * 100:.0f}%)"
+                                               for n in names])
+    Console(width=max(120, 22 * len(names) + 20)).print(table)
+    print(f"wrote {out / 'simulate.json'} and {out / 'scaling.png'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gradsync", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_bench(sub)
+    _add_profile(sub)
+    _add_simulate(sub)
     return parser
 
 

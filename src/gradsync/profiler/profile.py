@@ -1,0 +1,152 @@
+"""Record a compute profile of one DDP training iteration: forward time, per-bucket backward ready
+times and sizes, optimizer time (schema ``gradsync-profile/1``, read by :mod:`gradsync.sim`).
+
+The profile runs on a one-rank process group: DDP still cuts the gradients into its buckets and calls
+the communication hook of each bucket as it becomes ready, so a hook that records the time and
+returns the gradient unchanged measures when each bucket could start its all-reduce (DDP calls the
+hooks in bucket order, so a bucket's time is also bounded by its predecessor's, as on a real run).
+"""
+
+# No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+
+import datetime
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..validation import check_float, check_int
+
+SCHEMA = "gradsync-profile/1"
+
+
+class _ReadyRecorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[int, int, float, list[list[int]]]] = []
+
+
+def _recording_hook(state: _ReadyRecorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.events.append((bucket.index(), bucket.buffer().numel(), time.perf_counter(),
+                         [list(g.shape) for g in bucket.gradients()]))
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _single_rank_group() -> bool:
+    if dist.is_initialized():
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return True
+
+
+def record_profile(
+    model: nn.Module,
+    make_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    name: str,
+    batch_size: int,
+    bucket_cap_mb: float = 25.0,
+    iterations: int = 3,
+) -> dict[str, Any]:
+    """Measure ``iterations`` training steps (after two warm-up steps, the second on DDP's rebuilt
+    buckets) and return the profile dict with medians in seconds.
+
+    Returns:
+        ``{"schema", "model", "batch_size", "dtype_bytes", "forward_s", "backward_s",
+        "optimizer_s", "bucket_cap_mb", "buckets": [{"index", "numel", "ready_s", "shapes"}]}``,
+        buckets in DDP reduction order, ``ready_s`` seconds after backward starts.
+
+    Raises:
+        ValueError: for ``iterations`` < 1 or ``bucket_cap_mb`` <= 0.
+    """
+    iterations = check_int("iterations", iterations, 1, 1000)
+    check_float("bucket_cap_mb", bucket_cap_mb, 0.0, 1e5, low_inclusive=False)
+    own_group = _single_rank_group()
+    try:
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        rec = _ReadyRecorder()
+        ddp.register_comm_hook(rec, _recording_hook)
+        opt = make_optimizer(ddp.parameters())
+        fwd, bwd, upd, ready = [], [], [], {}
+        layout: dict[int, tuple[int, list[list[int]]]] = {}
+        for it in range(iterations + 2):
+            x, y = make_batch()
+            opt.zero_grad(set_to_none=True)
+            rec.events.clear()
+            t0 = time.perf_counter()
+            loss = loss_fn(ddp(x), y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            if it < 2:
+                continue
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+            upd.append(t3 - t2)
+            for index, numel, t, shapes in rec.events:
+                ready.setdefault(index, []).append(t - t1)
+                layout[index] = (numel, shapes)
+        buckets = [{"index": i, "numel": layout[i][0], "ready_s": statistics.median(ready[i]),
+                    "shapes": layout[i][1]} for i in sorted(layout)]
+        dtype_bytes = next(p for p in model.parameters() if p.requires_grad).element_size()
+        return {"schema": SCHEMA, "model": name, "batch_size": batch_size, "dtype_bytes": dtype_bytes,
+                "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+                "optimizer_s": statistics.median(upd), "bucket_cap_mb": bucket_cap_mb,
+                "threads": torch.get_num_threads(), "device": "cpu", "buckets": buckets}
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
+    """``(model, make_batch, loss_fn)`` for a profile target: a training workload name (its model on
+    real batches) or ``resnet50`` (random 3x224x224 images, 1000 classes).
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    import torch.nn.functional as F
+
+    if name == "resnet50":
+        from ..workloads.resnet50 import ResNet50
+
+        g = torch.Generator().manual_seed(0)
+        return (ResNet50(), lambda: (torch.randn(batch_size, 3, 224, 224, generator=g),
+                                     torch.randint(0, 1000, (batch_size,), generator=g)), F.cross_entropy)
+    from ..workloads import get_workload
+
+    w = get_workload(name)
+    x, y, _, _ = w.load(data_dir)
+    g = torch.Generator().manual_seed(0)
+
+    def make_batch():
+        idx = torch.randint(0, x.shape[0], (batch_size,), generator=g)
+        return x[idx], y[idx]
+
+    torch.manual_seed(0)
+    return w.make_model(), make_batch, F.cross_entropy
+
+
+def ccr_at(profile: dict[str, Any], world_size: int, bandwidth_mbit: float, latency_s: float = 0.0) -> float:
+    """Dense all-reduce time of every bucket without overlap (ring alpha-beta model) divided by the
+    backward time, for ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s."""
+    from ..sim.costmodel import Network, allreduce_time
+
+    net = Network.from_mbit(bandwidth_mbit, latency_s)
+    comm = sum(allreduce_time(b["numel"] * profile["dtype_bytes"], world_size, net) for b in profile["buckets"])
+    return comm / profile["backward_s"]
+
+
