@@ -700,7 +700,8 @@ def sweep(
     """Simulate every (plan, world size, bandwidth) combination; one dict per row.
 
     Row keys: ``algorithm, world_size, bandwidth_gbps, latency_s, iteration_s, compute_s,
-    exposed_comm_s, compression_s, scaling_efficiency, payload_bytes, speedup`` where ``speedup`` is
+    exposed_comm_s, compression_s, scaling_efficiency, payload_bytes, wire_bytes, comm_s, speedup``
+    (see :class:`Result`) where ``speedup`` is
     the first plan's iteration time divided by this row's (same world size and bandwidth).
 
     Raises:
@@ -725,6 +726,7 @@ def sweep(
                     "iteration_s": r.iteration_s, "compute_s": r.compute_s,
                     "exposed_comm_s": r.exposed_comm_s, "compression_s": r.compression_s,
                     "scaling_efficiency": r.scaling_efficiency, "payload_bytes": r.payload_bytes,
+                    "wire_bytes": r.wire_bytes, "comm_s": r.comm_s,
                     "speedup": base / r.iteration_s if r.iteration_s > 0 else 1.0,
                 })
     return rows
