@@ -3,6 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradsync-installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+KJV    := /usr/lib/bible.data
 
 .PHONY: setup data demo test clean
 
@@ -16,10 +17,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# Real datasets from Debian: Fashion-MNIST idx files and the King James Bible text.
 data:
-	@if [ ! -f $(FMNIST) ]; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq dataset-fashion-mnist; \
-	  else echo "Fashion-MNIST missing: run 'sudo apt-get install dataset-fashion-mnist' or pass --data-dir" >&2; exit 1; fi; \
+	@if [ ! -f $(FMNIST) ] || [ ! -f $(KJV) ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist bible-kjv-text >/dev/null; \
+	  else echo "datasets missing: run 'sudo apt-get install dataset-fashion-mnist bible-kjv-text' or pass --data-dir" >&2; exit 1; fi; \
 	fi
 
 demo: setup

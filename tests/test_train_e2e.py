@@ -74,3 +74,16 @@ def test_missing_dataset_says_how_to_get_it(tmp_path):
 def test_config_validation(kwargs, name):
     with pytest.raises(ValueError, match=name):
         TrainConfig(**kwargs)
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/lib/bible.data"), reason="bible-kjv-text not installed")
+def test_kjv_lstm_trains_and_reports_bits_per_char(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(CLI + ["train", "--workload", "kjv-lstm", "--algorithm", "topk", "--density", "0.1",
+                                 "--max-steps", "8", "--no-progress", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((out / "metrics.json").read_text())["summary"]
+    assert "validation bits per character" in proc.stdout
+    assert 0 < s["bits_per_char"] < 6.19, "below the uniform 73-symbol rate after 8 steps"
+    assert s["bits_per_char"] == pytest.approx(s["test_loss"] / 0.6931471805599453)

@@ -46,9 +46,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=d.workers,
                    help="local ranks on 127.0.0.1 (ignored under torchrun, which sets the world size)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (one-cycle schedule)")
+    p.add_argument("--epochs", type=int, default=None, help="default: the workload's (fashion-mnist 4, kjv-lstm 1)")
+    p.add_argument("--batch-size", type=int, default=None, help="per worker; default: the workload's (64, 32)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate of the one-cycle schedule; default: the workload's (0.1, 2.0)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
     _add_algorithm_options(p, d)
@@ -66,7 +67,6 @@ def _train(args: argparse.Namespace) -> int:
     from .report import print_summary, write_outputs
     from .train.config import TrainConfig
     from .train.launcher import launch
-    from .workloads.fashion_mnist import DatasetMissing
 
     cfg = TrainConfig(
         algorithm=args.algorithm, workload=args.workload, workers=args.workers, threads=args.threads,
@@ -77,14 +77,13 @@ def _train(args: argparse.Namespace) -> int:
         data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
         progress=not args.no_progress,
     )
-    if cfg.workload == "fashion-mnist":
-        from .workloads import fashion_mnist
+    from .workloads import get_workload
 
-        try:  # fail before spawning workers when the data is absent
-            fashion_mnist.load(cfg.data_dir, "test")
-        except DatasetMissing as exc:
-            print(f"gradsync: error: {exc}", file=sys.stderr)
-            return 2
+    try:  # fail before spawning workers when the data is absent
+        get_workload(cfg.workload).load(cfg.data_dir)
+    except FileNotFoundError as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
     result = launch(cfg)
     if result is None:
         return 0
@@ -111,6 +110,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="rate changes during the run as seconds:Mbit/s pairs, e.g. '60:50,120:500'")
     p.add_argument("--latency", type=float, default=None,
                    help="one-way delay in ms (needs the netem qdisc, which not every kernel has)")
+    p.add_argument("--burst", default="auto",
+                   help="tbf bucket size (tc syntax, e.g. 32kb); auto: max(16kb, 4 ms at the link rate), "
+                        "small enough that a burst does not hide the shaping of small gradients")
     p.add_argument("--steps", type=int, default=d.steps, help="timed iterations per algorithm per round")
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed iterations per algorithm per round")
     p.add_argument("--rounds", type=int, default=d.rounds, help="interleaved rounds (A B C A B C ...)")
@@ -153,7 +155,11 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")
         cluster, label = None, "loopback, NOT shaped (no --bandwidth)"
     else:
-        cluster = EmulatedCluster(args.hosts, rates if len(rates) > 1 else rates[0], latency_ms=args.latency)
+        burst = args.burst
+        if burst == "auto":
+            burst = f"{max(16, int(min(rates) * 1e6 / 8 * 0.004 / 1024) + 1)}kb"
+        cluster = EmulatedCluster(args.hosts, rates if len(rates) > 1 else rates[0], burst=burst,
+                                  latency_ms=args.latency)
     with cluster if cluster is not None else contextlib.nullcontext():
         if cluster is not None:
             label = cluster.label

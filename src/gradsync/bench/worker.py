@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..comm.agreement import check_config_agreement
 from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
+from ..profiler.profile import record_profile
 from ..train.evaluate import evaluate
 from ..train.parallel import DEAR_ALGORITHMS, DataParallel
 from ..workloads import get_workload
@@ -92,6 +93,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     ccr = measure_ccr(probe.bucket_numels(), compute0.backward_s)
     if options["ratio"] == "auto":
         options["ratio"] = ccr.ratio
+
+    # A compute profile recorded with all ranks computing at once: gradsync simulate's input for
+    # validating its prediction against this run.
+    dist.barrier()
+    it = iter(batches * 4)
+    profile = record_profile(copy.deepcopy(model0), lambda: next(it), loss_fn, make_optimizer, cfg.workload,
+                             cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
 
     records: dict[str, dict[str, list[float]]] = {
         a: {"iter_s": [], "bytes": [], "compress_s": [], "rs_wait_s": [], "ag_wait_s": []} for a in cfg.algorithms
@@ -161,6 +169,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         "dense_ccr": ccr.ccr,
         "covap_ratio": options["ratio"],
         "rows": rows,
+        "profile": profile,
     }
 
 

@@ -1,7 +1,8 @@
 """Record a compute profile of one DDP training iteration: forward time, per-bucket backward ready
 times and sizes, optimizer time (schema ``gradsync-profile/1``, read by :mod:`gradsync.sim`).
 
-The profile runs on a one-rank process group: DDP still cuts the gradients into its buckets and calls
+The profile runs on a one-rank process group (or on the caller's group, where every rank computes at
+once, so CPU contention matches a real run on the same machine): DDP still cuts the gradients into its buckets and calls
 the communication hook of each bucket as it becomes ready, so a hook that records the time and
 returns the gradient unchanged measures when each bucket could start its all-reduce (DDP calls the
 hooks in bucket order, so a bucket's time is also bounded by its predecessor's, as on a real run).
@@ -74,7 +75,8 @@ def record_profile(
     check_float("bucket_cap_mb", bucket_cap_mb, 0.0, 1e5, low_inclusive=False)
     own_group = _single_rank_group()
     try:
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        # No buffer broadcast: the profile must contain compute only, no collective.
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
         rec = _ReadyRecorder()
         ddp.register_comm_hook(rec, _recording_hook)
         opt = make_optimizer(ddp.parameters())

@@ -28,6 +28,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("bytes sent per rank per iteration", fmt_bytes(s["bytes_per_iteration"])),
         ("compression ratio", f"{s['compression_ratio']:.2f}x"),
     ]
+    if "bits_per_char" in s:
+        rows.append(("validation bits per character", f"{s['bits_per_char']:.3f}"))
     if "ccr" in s:
         rows.append(("measured CCR (auto ratio)", f"{s['ccr']:.3f}"))
     return rows
@@ -43,7 +45,8 @@ def print_summary(result: dict[str, Any]) -> None:
     table.add_column("value", justify="right")
     for k, v in summary_rows(result["summary"]):
         table.add_row(k, v)
-    Console().print(table)
+    console = Console()
+    Console(width=max(console.width, 130)).print(table)
 
 
 def write_outputs(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:

@@ -20,9 +20,9 @@ class TrainConfig:
     workload: str = "fashion-mnist"
     workers: int = 2
     threads: int = 1
-    epochs: int = 4
-    batch_size: int = 64          # per worker
-    lr: float = 0.1               # peak learning rate of the one-cycle schedule
+    epochs: int | None = None      # None: the workload's default (fashion-mnist 4, kjv-lstm 1)
+    batch_size: int | None = None  # per worker; None: the workload's default (64, 32)
+    lr: float | None = None        # peak of the one-cycle schedule; None: the workload's (0.1, 2.0)
     momentum: float = 0.9
     weight_decay: float = 5e-4
     seed: int = 0
@@ -53,6 +53,9 @@ class TrainConfig:
 
         check_choice("algorithm", self.algorithm, sorted([*REGISTRY, *DEAR_ALGORITHMS]))
         check_choice("workload", self.workload, sorted(WORKLOADS))
+        for key, value in WORKLOADS[self.workload].defaults.items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
         check_int("workers", self.workers, 1, 64)
         check_int("threads", self.threads, 1, 256)
         check_int("epochs", self.epochs, 1, 10_000)

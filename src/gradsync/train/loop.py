@@ -169,6 +169,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         "train_seconds": train_time,
         "wall_seconds": time.perf_counter() - wall0,
     }
+    summary.update(workload.extra_metrics(summary["test_loss"], summary["test_accuracy"]))
     if ccr is not None:
         summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s, ratio=ccr.ratio)
     elif covap is not None:
