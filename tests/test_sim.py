@@ -7,8 +7,10 @@ import math
 
 import pytest
 
+from gradsync.compressors.covap_shards import CovapPlan
+
 from gradsync.sim import (
-    CovapPlan,
+    CovapSimPlan,
     DeARPlan,
     DensePlan,
     FP16Plan,
@@ -18,7 +20,6 @@ from gradsync.sim import (
     allgather_time,
     allreduce_time,
     collective_time,
-    covap_shard_counts,
     fit_alpha_beta,
     load_profile,
     make_plan,
@@ -143,13 +144,13 @@ def test_fp16_halves_bytes_and_charges_cast():
 
 def test_covap_shard_counts_hand_computed():
     # median 100: t = floor(n/100 - 0.3) -> 0,0,0,2,9 -> c = 1,1,1,3,min(10,4)
-    assert covap_shard_counts([100, 100, 100, 250, 1000], 4) == [1, 1, 1, 3, 4]
-    assert covap_shard_counts([100, 100, 100, 250, 1000], 1) == [1] * 5
+    assert CovapPlan.build([100, 100, 100, 250, 1000], 4).shards == (1, 1, 1, 3, 4)
+    assert CovapPlan.build([100, 100, 100, 250, 1000], 1).shards == (1,) * 5
 
 
 def test_covap_step_selection():
     prof = synthetic_profile([100, 100, 100, 250, 1000], 0.0, 0.01)
-    plans = CovapPlan(4).bucket_plans(prof, 2, step=0)
+    plans = CovapSimPlan(4).bucket_plans(prof, 2, step=0)
     # global ids: b0 0, b1 1, b2 2, b3 3..5, b4 6..9; step 0 sends G in {0, 4, 8}
     sent = [bp.steps[0].nbytes / 4 if bp.steps else 0 for bp in plans]
     assert sent == [100, 0, 0, math.ceil((250 - 1) / 3), math.ceil((1000 - 2) / 4)]
@@ -158,14 +159,14 @@ def test_covap_step_selection():
 def test_covap_k1_equals_dense():
     prof = synthetic_profile([300_000, 50_000, 2_000_000, 80_000, 700_000], 0.01, 0.05, 0.002)
     for ws in (2, 16):
-        assert simulate(prof, CovapPlan(1), ws, NET) == simulate(prof, DensePlan(), ws, NET)
+        assert simulate(prof, CovapSimPlan(1), ws, NET) == simulate(prof, DensePlan(), ws, NET)
 
 
 def test_covap_k4_sends_quarter_of_bytes():
     prof = synthetic_profile([300_000, 50_000, 2_000_000, 80_000, 700_000, 1_500_000],
                              0.01, 0.05, 0.002)
     dense = simulate(prof, DensePlan(), 8, NET)
-    cov = simulate(prof, CovapPlan(4), 8, NET)
+    cov = simulate(prof, CovapSimPlan(4), 8, NET)
     assert cov.payload_bytes == pytest.approx(dense.payload_bytes / 4, rel=1e-9)
     assert cov.comm_s < dense.comm_s
     assert cov.iteration_s <= dense.iteration_s
@@ -227,12 +228,12 @@ def test_make_plan_specs():
     lambda: make_plan("covap:0"),
     lambda: make_plan("fp16:3"),
     lambda: make_plan(""),
-    lambda: CovapPlan(0),
+    lambda: CovapSimPlan(0),
     lambda: TopKPlan(0.0),
     lambda: TopKPlan(1.5),
     lambda: PowerSGDPlan(0),
     lambda: FP16Plan(-1.0),
-    lambda: covap_shard_counts([], 2),
+    lambda: CovapPlan.build([], 2),
     lambda: simulate(synthetic_profile([10], 0, 1), "dense", 0, NET),
     lambda: simulate(synthetic_profile([10], 0, 1), "dense", 2, 1.0),
     lambda: simulate(synthetic_profile([10], 0, 1), 42, 2, NET),

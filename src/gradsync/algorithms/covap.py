@@ -25,74 +25,15 @@ layout, so every rank selects the same elements and a plain all-reduce still wor
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
-import math
-import statistics
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..compressors.covap_shards import MAX_RATIO, CovapPlan
 from ..feedback.discounted import DiscountedErrorFeedback, default_ramp
 from ..validation import check_float, check_int
 from .base import HookState
-
-MAX_RATIO = 32
-CUT_OFFSET = 0.3  # the reference code's offset in the median-bucket rule
-
-
-@dataclass(frozen=True)
-class CovapPlan:
-    """Shard counts and global shard offsets for a fixed bucket layout.
-
-    Attributes:
-        ratio: K, the compression ratio (each element sent once every K iterations).
-        numels: bucket numels in DDP reduction order (bucket index order).
-        shards: ``c_b`` per bucket.
-        offsets: global id of shard 0 of each bucket.
-    """
-
-    ratio: int
-    numels: tuple[int, ...]
-    shards: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-    @classmethod
-    def build(cls, numels: Sequence[int], ratio: int) -> "CovapPlan":
-        """Apply the median-bucket sharding rule to ``numels`` (COVAP "cut_strategy").
-
-        Raises:
-            ValueError: if ``numels`` is empty or holds a non-positive size, or ``ratio`` is outside
-                [1, 32].
-        """
-        ratio = check_int("ratio", ratio, 1, MAX_RATIO)
-        if not numels or any(int(n) <= 0 for n in numels):
-            raise ValueError(f"numels must be a non-empty list of positive bucket sizes, got {list(numels)}")
-        median = statistics.median(numels)
-        shards = []
-        for n in numels:
-            t = math.floor(n / median - CUT_OFFSET)
-            shards.append(1 if t <= 0 else min(t + 1, ratio))
-        offsets, acc = [], 0
-        for c in shards:
-            offsets.append(acc)
-            acc += c
-        return cls(ratio, tuple(int(n) for n in numels), tuple(shards), tuple(offsets))
-
-    def selected_shard(self, bucket: int, iteration: int) -> int | None:
-        """The shard of ``bucket`` sent at ``iteration``, or ``None`` if the bucket is dropped."""
-        s = (-(self.offsets[bucket] + iteration)) % self.ratio
-        return s if s < self.shards[bucket] else None
-
-    def sent_fraction(self, iteration: int) -> float:
-        """Fraction of all gradient elements sent at ``iteration`` (about 1/K on average)."""
-        sent = 0
-        for b, (n, c) in enumerate(zip(self.numels, self.shards)):
-            s = self.selected_shard(b, iteration)
-            if s is not None:
-                sent += len(range(s, n, c))
-        return sent / sum(self.numels)
-
 
 class CovapState(HookState):
     """State of :func:`covap_hook`.

@@ -21,7 +21,7 @@ import torch
 
 from ..feedback.discounted import DiscountedErrorFeedback, default_ramp
 from ..validation import check_int
-from .covap import MAX_RATIO, CovapPlan
+from ..compressors.covap_shards import MAX_RATIO, CovapPlan
 from .dear import StridedShard
 
 log = logging.getLogger(__name__)

@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from gradsync.compressors.covap_shards import MAX_RATIO, CovapPlan
 from gradsync.sim.costmodel import COLLECTIVES, Network, collective_time
 from gradsync.validation import check_float, check_int
 
@@ -57,7 +58,7 @@ __all__ = [
     "AlgorithmPlan",
     "BucketPlan",
     "CommStep",
-    "CovapPlan",
+    "CovapSimPlan",
     "DeARPlan",
     "DensePlan",
     "FP16Plan",
@@ -66,7 +67,6 @@ __all__ = [
     "ProfileBucket",
     "Result",
     "TopKPlan",
-    "covap_shard_counts",
     "load_profile",
     "make_plan",
     "plot_scaling",
@@ -363,32 +363,12 @@ class FP16Plan(AlgorithmPlan):
                 for b in profile.buckets]
 
 
-def covap_shard_counts(numels: Sequence[int], k: int) -> list[int]:
-    """COVAP's shard count per bucket (algorithms.md §1(a), "cut_strategy").
-
-    ``m = median(numels)`` (numpy median: mean of the two middle values for an even count),
-    ``t_b = floor(n_b / m - 0.3)``, ``c_b = 1 if t_b <= 0 else min(t_b + 1, K)``.
-
-    Raises:
-        ValueError: for ``k < 1`` or an empty/non-positive ``numels``.
-    """
-    k = check_int("k", k, 1)
-    if len(numels) == 0:
-        raise ValueError("numels must be non-empty")
-    ns = [check_int(f"numels[{i}]", n, 1) for i, n in enumerate(numels)]
-    m = float(np.median(ns))
-    out = []
-    for n in ns:
-        t = math.floor(n / m - 0.3)
-        out.append(1 if t <= 0 else min(t + 1, k))
-    return out
-
-
-class CovapPlan(AlgorithmPlan):
+class CovapSimPlan(AlgorithmPlan):
     """COVAP / OGC coarse-grained filter with compression ratio ``K`` (Meng, Sun & Li, arXiv
     2311.04499; algorithms.md §1(a)).
 
-    Bucket ``b`` is cut into ``c_b`` strided shards (:func:`covap_shard_counts`); shard ``s`` has
+    Bucket ``b`` is cut into ``c_b`` strided shards (:class:`gradsync.algorithms.covap.CovapPlan`, the same
+    rule and schedule the hook runs); shard ``s`` has
     global id ``G = sum_{b'<b} c_b' + s`` and is all-reduced at step ``t`` when ``(G + t) mod K == 0``
     (``ceil((n_b - s) / c_b)`` elements). A bucket with no selected shard is dropped (no collective,
     no cost). ``period = K``: :func:`simulate` averages steps ``0..K-1``. ``K = 1`` is dense.
@@ -406,17 +386,14 @@ class CovapPlan(AlgorithmPlan):
         self.period = self.k
 
     def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
-        counts = covap_shard_counts([b.numel for b in profile.buckets], self.k)
+        layout = CovapPlan.build([b.numel for b in profile.buckets], min(self.k, MAX_RATIO))
         plans = []
-        g0 = 0
-        for b, c in zip(profile.buckets, counts):
+        for i, b in enumerate(profile.buckets):
+            s = layout.selected_shard(i, step)
             steps: tuple[CommStep, ...] = ()
-            for s in range(c):
-                if (g0 + s + step) % self.k == 0:
-                    n_shard = -(-(b.numel - s) // c)
-                    steps = (CommStep("allreduce", n_shard * profile.dtype_bytes),)
-                    break
-            g0 += c
+            if s is not None:
+                n_shard = len(range(s, b.numel, layout.shards[i]))
+                steps = (CommStep("allreduce", n_shard * profile.dtype_bytes),)
             plans.append(BucketPlan(steps, self.copy_s_per_element * b.numel))
         return plans
 
@@ -549,7 +526,7 @@ PLANS = {
     "dense": DensePlan,
     "allreduce": DensePlan,
     "fp16": FP16Plan,
-    "covap": CovapPlan,
+    "covap": CovapSimPlan,
     "topk": TopKPlan,
     "powersgd": PowerSGDPlan,
     "dear": DeARPlan,
@@ -571,7 +548,7 @@ def make_plan(spec: str) -> AlgorithmPlan:
     if name not in PLANS:
         raise ValueError(f"algorithm must be one of {', '.join(PLANS)}; got {name!r}")
     if name == "covap":
-        return CovapPlan(check_int("k", _num(param, "k"), 1) if param else 3)
+        return CovapSimPlan(check_int("k", _num(param, "k"), 1) if param else 3)
     if name == "topk":
         return TopKPlan(_num(param, "density") if param else 0.01)
     if name == "powersgd":

@@ -1,0 +1,71 @@
+"""COVAP's coarse-grained filter layout: tensor sharding by the median-bucket rule and the
+round-robin send schedule (Meng, Sun & Li 2023, arXiv 2311.04499; ``shared/specs/algorithms.md`` §1).
+
+Pure arithmetic on bucket sizes and the iteration number, with no tensors and no communication, so
+the DDP hook (:mod:`gradsync.algorithms.covap`), DeAR's filter and the simulator share one rule.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..validation import check_int
+
+MAX_RATIO = 32
+CUT_OFFSET = 0.3  # the reference code's offset in the median-bucket rule
+
+
+@dataclass(frozen=True)
+class CovapPlan:
+    """Shard counts and global shard offsets for a fixed bucket layout.
+
+    Attributes:
+        ratio: K, the compression ratio (each element sent once every K iterations).
+        numels: bucket numels in DDP reduction order (bucket index order).
+        shards: ``c_b`` per bucket.
+        offsets: global id of shard 0 of each bucket.
+    """
+
+    ratio: int
+    numels: tuple[int, ...]
+    shards: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+    @classmethod
+    def build(cls, numels: Sequence[int], ratio: int) -> "CovapPlan":
+        """Apply the median-bucket sharding rule to ``numels`` (COVAP "cut_strategy").
+
+        Raises:
+            ValueError: if ``numels`` is empty or holds a non-positive size, or ``ratio`` is outside
+                [1, 32].
+        """
+        ratio = check_int("ratio", ratio, 1, MAX_RATIO)
+        if not numels or any(int(n) <= 0 for n in numels):
+            raise ValueError(f"numels must be a non-empty list of positive bucket sizes, got {list(numels)}")
+        median = statistics.median(numels)
+        shards = []
+        for n in numels:
+            t = math.floor(n / median - CUT_OFFSET)
+            shards.append(1 if t <= 0 else min(t + 1, ratio))
+        offsets, acc = [], 0
+        for c in shards:
+            offsets.append(acc)
+            acc += c
+        return cls(ratio, tuple(int(n) for n in numels), tuple(shards), tuple(offsets))
+
+    def selected_shard(self, bucket: int, iteration: int) -> int | None:
+        """The shard of ``bucket`` sent at ``iteration``, or ``None`` if the bucket is dropped."""
+        s = (-(self.offsets[bucket] + iteration)) % self.ratio
+        return s if s < self.shards[bucket] else None
+
+    def sent_fraction(self, iteration: int) -> float:
+        """Fraction of all gradient elements sent at ``iteration`` (about 1/K on average)."""
+        sent = 0
+        for b, (n, c) in enumerate(zip(self.numels, self.shards)):
+            s = self.selected_shard(b, iteration)
+            if s is not None:
+                sent += len(range(s, n, c))
+        return sent / sum(self.numels)
