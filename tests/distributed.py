@@ -16,6 +16,8 @@ import socket
 import traceback
 from typing import Any, Callable
 
+import torch._dynamo  # noqa: F401  DDP imports it lazily (~6 s per forked rank); import once before fork
+
 
 class RankFailed(RuntimeError):
     def __init__(self, failures: dict[int, str]):

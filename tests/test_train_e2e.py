@@ -87,3 +87,29 @@ def test_kjv_lstm_trains_and_reports_bits_per_char(tmp_path):
     assert "validation bits per character" in proc.stdout
     assert 0 < s["bits_per_char"] < 6.19, "below the uniform 73-symbol rate after 8 steps"
     assert s["bits_per_char"] == pytest.approx(s["test_loss"] / 0.6931471805599453)
+
+
+@pytest.mark.parametrize("algorithm", ["covap", "dear"])
+def test_resume_from_checkpoint_continues_exactly(tmp_path, algorithm):
+    common = ["train", "--algorithm", algorithm, "--ratio", "2", "--epochs", "2", "--train-samples", "640",
+              "--no-progress"]
+    full = subprocess.run(CLI + common + ["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "a")],
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert (tmp_path / "ck" / "epoch1" / "rank1.pt").is_file()
+    resumed = subprocess.run(CLI + common + ["--resume", str(tmp_path / "ck" / "epoch1"), "--out", str(tmp_path / "b")],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    b = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert [e["step"] for e in b["epochs"]] == [e["step"] for e in a["epochs"]] == [5, 10]
+    assert b["summary"]["test_loss"] == pytest.approx(a["summary"]["test_loss"], rel=1e-6)
+    assert b["summary"]["test_accuracy"] == a["summary"]["test_accuracy"]
+    assert [i["loss"] for i in b["iterations"]] == pytest.approx([i["loss"] for i in a["iterations"]], rel=1e-6)
+
+
+def test_resume_with_missing_checkpoint_is_a_clear_error(tmp_path):
+    proc = subprocess.run(CLI + ["train", "--max-steps", "2", "--no-progress", "--resume", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert ".pt not found (resume needs one rank*.pt per rank" in proc.stderr

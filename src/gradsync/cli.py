@@ -25,10 +25,12 @@ def _add_algorithm_options(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--compressor", default=d.compressor, choices=["topk", "dgc", "redsync", "randomk"],
                    help="GraVAC's sparsifier")
     p.add_argument("--levels", type=int, default=d.levels, help="QSGD quantisation levels")
+    p.add_argument("--search-interval", type=int, default=None,
+                   help="GraVAC steps between compression-factor search boundaries (default: a quarter epoch)")
     p.add_argument("--rank", dest="powersgd_rank", type=int, default=d.powersgd_rank,
                    help="PowerSGD matrix approximation rank")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="DDP bucket size (MB)")
-    p.add_argument("--fusion-mb", type=_ratio, default=d.fusion_mb,
+    p.add_argument("--fusion-mb", "--fusion", type=_ratio, default=d.fusion_mb,
                    help="DeAR tensor-fusion threshold in MB, or 'auto' (Bayesian optimisation over 1-256 MB)")
 
 
@@ -55,6 +57,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     _add_algorithm_options(p, d)
     p.add_argument("--data-dir", default=None,
                    help="directory with the Fashion-MNIST idx files (default /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--train-samples", type=int, default=None, help="train on the first N samples only")
+    p.add_argument("--checkpoint", default=None,
+                   help="directory; after every epoch each rank writes DIR/epochE/rankR.pt (model, optimizer, "
+                        "scheduler, error-feedback residuals and controller state)")
+    p.add_argument("--resume", default=None, help="continue from a DIR/epochE checkpoint directory")
     p.add_argument("--out", default=None, help="write metrics.json and curves.png here")
     p.add_argument("--timeout", type=float, default=d.timeout,
                    help="seconds before a collective waiting on a dead peer fails")
@@ -74,6 +81,8 @@ def _train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, ratio=args.ratio, density=args.density,
         error_feedback=args.error_feedback, compressor=args.compressor, levels=args.levels,
         powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb, fusion_mb=args.fusion_mb,
+        search_interval=args.search_interval, train_samples=args.train_samples,
+        checkpoint=args.checkpoint, resume=args.resume,
         data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
         progress=not args.no_progress,
     )
@@ -325,6 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as exc:
         parser.error(str(exc))
+    except Exception as exc:  # a spawned rank failed: show its error, not the launcher's traceback
+        from torch.multiprocessing import ProcessRaisedException
+
+        if not isinstance(exc, ProcessRaisedException):
+            raise
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        print(f"gradsync: error: {lines[0].strip(' -')}: {lines[-1]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("gradsync: interrupted", file=sys.stderr)
         return 130

@@ -17,6 +17,7 @@ from .base import HookState
 from .compressed import CompressedState, compressed_hook
 from .covap import CovapPlan, CovapState, covap_hook
 from .gravac import GravacState, gravac_hook
+from .oscar import CountSketchState, OscarASCState, OscarSWState, countsketch_hook, oscar_hook
 from .powersgd import PowerSGDHookState, powersgd_hook
 
 Hook = Callable[[Any, dist.GradBucket], Any]
@@ -59,10 +60,19 @@ def _compressed(name: str, **fixed: Any):
 
 
 def _gravac(process_group=None, model=None, compressor: str = "topk", batch_size: int = 1,
-            steps_per_epoch: int = 200, **_: Any):
+            steps_per_epoch: int = 200, search_interval: int | None = None, **_: Any):
+    # The reference code searches once per epoch; a quarter epoch lets short runs explore 10x..10,000x.
+    interval = search_interval or max(1, steps_per_epoch // 4)
     state = GravacState(compressor=compressor, batch_size=batch_size, process_group=process_group,
-                        search_interval=max(1, steps_per_epoch), model=model)
+                        search_interval=interval, model=model)
     return state, gravac_hook
+
+
+def _oscar(state_cls, hook):
+    def build(process_group=None, seed: int = 0, **_: Any):
+        return state_cls(process_group=process_group, seed=seed), hook
+
+    return build
 
 
 def _powersgd(process_group=None, rank: int = 2, seed: int = 0, **_: Any):
@@ -89,6 +99,12 @@ REGISTRY: dict[str, Algorithm] = {
         Algorithm("signsgd", "EF-SignSGD scaled sign (Karimireddy et al. 2019)", _compressed("signsgd")),
         Algorithm("bf16", "cast to bfloat16, all-reduce", _compressed("bf16")),
         Algorithm("gravac", "GraVAC adaptive compression factor, --compressor (Tyagi & Swany 2023)", _gravac),
+        Algorithm("oscar-sw", "OSCAR split by the aggregated zero mask, count sketch + dense int8 (reconstructed)",
+                  _oscar(OscarSWState, oscar_hook)),
+        Algorithm("oscar-asc", "OSCAR-SW with a balanced-chunk ring and ASC entropy coding (reconstructed)",
+                  _oscar(OscarASCState, oscar_hook)),
+        Algorithm("countsketch", "count-sketch compression with heavy-hitter recovery (Sketched-SGD/FetchSGD)",
+                  _oscar(CountSketchState, countsketch_hook)),
     )
 }
 

@@ -74,15 +74,7 @@ class HookState:
         """Cumulative counters: ``bytes_sent`` and ``dense_bytes`` (bytes), ``collectives``,
         ``buckets_skipped``, ``compress_seconds`` (s), ``iteration``, and ``compression_ratio``
         (dense bytes / bytes sent, 1.0 before anything was sent)."""
-        return {
-            "iteration": self.iteration,
-            "bytes_sent": self.bytes_sent,
-            "dense_bytes": self.dense_bytes,
-            "collectives": self.collectives,
-            "buckets_skipped": self.buckets_skipped,
-            "compress_seconds": self.compress_seconds,
-            "compression_ratio": (self.dense_bytes / self.bytes_sent) if self.bytes_sent else 1.0,
-        }
+        return counter_stats(self)
 
     def config(self) -> dict[str, Any]:
         """Configuration fields that must be identical on every rank (checked at start-up)."""
@@ -102,3 +94,19 @@ class HookState:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+
+
+def counter_stats(obj: Any) -> dict[str, Any]:
+    """The common statistics of any algorithm object with the ``HookState`` counters
+    (``iteration``, ``bytes_sent``, ``dense_bytes``, ``collectives``, ``buckets_skipped``,
+    ``compress_seconds``), plus ``compression_ratio`` = dense bytes / bytes sent (1.0 before anything
+    was sent)."""
+    return {
+        "iteration": obj.iteration,
+        "bytes_sent": obj.bytes_sent,
+        "dense_bytes": obj.dense_bytes,
+        "collectives": obj.collectives,
+        "buckets_skipped": obj.buckets_skipped,
+        "compress_seconds": obj.compress_seconds,
+        "compression_ratio": (obj.dense_bytes / obj.bytes_sent) if obj.bytes_sent else 1.0,
+    }

@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..tuning.fusion import FusionTuner
+from .base import counter_stats
 from ..validation import check_float, check_int
 
 MB = 2**20
@@ -629,13 +630,7 @@ class DeAR:
         ``tuning`` (:meth:`FusionTuner.report`).
         """
         out: dict[str, Any] = {
-            "iteration": self.iteration,
-            "bytes_sent": self.bytes_sent,
-            "dense_bytes": self.dense_bytes,
-            "collectives": self.collectives,
-            "buckets_skipped": self.buckets_skipped,
-            "compress_seconds": self.compress_seconds,
-            "compression_ratio": (self.dense_bytes / self.bytes_sent) if self.bytes_sent else 1.0,
+            **counter_stats(self),
             "rs_wait_seconds": self.rs_wait_seconds,
             "ag_wait_seconds": self.ag_wait_seconds,
             "buffer_broadcast_seconds": self.buffer_seconds,

@@ -137,10 +137,7 @@ def allgather_time(nbytes: float, world_size: int, network: Network) -> float:
     Raises:
         ValueError: as :func:`allreduce_time`.
     """
-    n, p = _args(nbytes, world_size, network)
-    if p == 1:
-        return 0.0
-    return (p - 1) * network.alpha + (p - 1) / p * n * network.beta
+    return reduce_scatter_time(nbytes, world_size, network)  # the same ring steps in reverse
 
 
 def sparse_allgather_time(bytes_per_rank: float, world_size: int, network: Network) -> float:

@@ -31,11 +31,15 @@ class TrainConfig:
     density: float = 0.01         # kept fraction for top-k, random-k, DGC, RedSync
     error_feedback: bool = True   # error feedback for the compressors of the compressor library
     compressor: str = "topk"      # GraVAC's sparsifier
+    search_interval: int | None = None  # GraVAC steps between search boundaries; None: a quarter epoch
     levels: int = 127             # QSGD quantisation levels
     powersgd_rank: int = 2        # PowerSGD matrix approximation rank
     bucket_cap_mb: float = 0.1    # DDP bucket size (MB)
     fusion_mb: float | str = 25.0  # DeAR tensor-fusion threshold (MB) or "auto"
     data_dir: str | None = None
+    train_samples: int | None = None  # use only the first N training samples (quick experiments)
+    checkpoint: str | None = None  # directory: DIR/epoch{E}/rank{r}.pt after every epoch
+    resume: str | None = None      # a DIR/epoch{E} directory written by --checkpoint
     out: str | None = None
     timeout: float = 120.0        # seconds before a collective with a dead peer raises
     backend: str = "auto"         # gloo, nccl, or auto (nccl when CUDA is available under torchrun)
@@ -71,6 +75,8 @@ class TrainConfig:
         check_float("density", self.density, 0.0, 1.0, low_inclusive=False)
         check_choice("compressor", self.compressor, ["topk", "dgc", "redsync", "randomk"])
         check_int("levels", self.levels, 1, 32767)
+        if self.search_interval is not None:
+            check_int("search_interval", self.search_interval, 1)
         check_int("powersgd_rank", self.powersgd_rank, 1, 64)
         if self.fusion_mb != "auto":
             self.fusion_mb = check_float("fusion_mb", self.fusion_mb, 0.0, 1e6, low_inclusive=False)
@@ -78,6 +84,8 @@ class TrainConfig:
         check_float("timeout", self.timeout, 1.0, 86_400.0)
         check_choice("backend", self.backend, ["auto", "gloo", "nccl"])
         check_int("compute_steps", self.compute_steps, 1, 100)
+        if self.train_samples is not None:
+            check_int("train_samples", self.train_samples, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,6 +93,6 @@ class TrainConfig:
     def agreement_fields(self) -> dict[str, Any]:
         """Fields that must be equal on every rank (everything but paths and UI)."""
         d = self.to_dict()
-        for k in ("data_dir", "out", "progress"):
+        for k in ("data_dir", "out", "progress", "checkpoint", "resume"):
             d.pop(k)
         return d

@@ -16,6 +16,7 @@ from ..comm.agreement import check_config_agreement
 from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..workloads import get_workload
+from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate
 from .parallel import DataParallel
@@ -42,6 +43,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
 
     workload = get_workload(cfg.workload)
     train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
+    if cfg.train_samples is not None:
+        train_x, train_y = train_x[:cfg.train_samples], train_y[:cfg.train_samples]
     sampler = DistributedSampler(TensorDataset(train_x), num_replicas=world, rank=rank,
                                  shuffle=True, seed=cfg.seed, drop_last=True)
     batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
@@ -70,7 +73,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                       fusion_mb=cfg.fusion_mb, device=device, ratio=cfg.ratio, density=cfg.density,
                       error_feedback=cfg.error_feedback, compressor=cfg.compressor, levels=cfg.levels,
                       rank=cfg.powersgd_rank, seed=cfg.seed, batch_size=cfg.batch_size,
-                      steps_per_epoch=steps_per_epoch)
+                      steps_per_epoch=steps_per_epoch, search_interval=cfg.search_interval)
     state, opt = dp.state, dp.optimizer
     check_config_agreement(dp.config())
     dp.warm_up(warm, loss_fn)
@@ -94,12 +97,26 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
 
     iterations: list[dict[str, float]] = []
     epoch_log: list[dict[str, float]] = []
+    start_epoch, step, train_time = 0, 0, 0.0
+    if cfg.resume:
+        ckpt = load_checkpoint(cfg.resume, rank)
+        if ckpt["config"]["algorithm"] != cfg.algorithm:
+            raise ValueError(f"resume: checkpoint was written by algorithm {ckpt['config']['algorithm']!r}, "
+                             f"not {cfg.algorithm!r}")
+        dp.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        state.load_state_dict(ckpt["algorithm"])
+        torch.set_rng_state(ckpt["rng"])
+        start_epoch, step, train_time = ckpt["epoch"], ckpt["step"], ckpt["train_seconds"]
+        iterations, epoch_log = ckpt["iterations"], ckpt["epochs"]
+        if progress is not None:
+            progress.update(step)
+    start_step = step
     stats0 = state.stats()
     last_bytes = stats0["bytes_sent"]
-    step = 0
-    train_time = 0.0
-    wall0 = time.perf_counter()
-    for epoch in range(epochs):
+    wall0 = time.perf_counter() - (iterations[-1]["wall_s"] if iterations else 0.0)
+    for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
         for xb, yb in loader:
             if step >= total_steps:
@@ -141,6 +158,12 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                 progress.write(line)
             else:
                 print(line, flush=True)
+        if cfg.checkpoint:
+            save_checkpoint(f"{cfg.checkpoint}/epoch{epoch + 1}", rank, {
+                "config": cfg.to_dict(), "epoch": epoch + 1, "step": step, "train_seconds": train_time,
+                "model": dp.module.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "algorithm": state.state_dict(),
+                "rng": torch.get_rng_state(), "iterations": iterations, "epochs": epoch_log})
         if step >= total_steps:
             break
     if progress is not None:
@@ -163,8 +186,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         "optimizer_s": compute.optimizer_s,
         "forward_s": compute.forward_s,
         "backward_s": compute.backward_s,
-        "bytes_per_iteration": bytes_sent / step,
-        "dense_bytes_per_iteration": dense / step,
+        "bytes_per_iteration": bytes_sent / max(1, step - start_step),
+        "dense_bytes_per_iteration": dense / max(1, step - start_step),
         "compression_ratio": dense / bytes_sent if bytes_sent else float("inf"),
         "train_seconds": train_time,
         "wall_seconds": time.perf_counter() - wall0,

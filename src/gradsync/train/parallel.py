@@ -55,7 +55,6 @@ class DataParallel:
                 grad_filter.bind(self.wrapper)
             self.grad_filter = grad_filter
             self.state = self.wrapper
-            self._step = self.wrapper.step
         else:
             if name not in REGISTRY:
                 known = sorted([*REGISTRY, *DEAR_ALGORITHMS])
@@ -67,14 +66,17 @@ class DataParallel:
             self.state, hook = build_hook(name, model=model, **options)
             self.wrapper.register_comm_hook(self.state, hook)
             self.optimizer = make_optimizer(self.wrapper.parameters())
-            self._step = self.optimizer.step
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.wrapper(x)
 
     def step(self) -> None:
         """The optimizer step of this iteration (DeAR applies it lazily in the next forward)."""
-        self._step()
+        # Looked up at call time: LR schedulers wrap ``optimizer.step`` after construction.
+        if self.name in DEAR_ALGORITHMS:
+            self.wrapper.step()
+        else:
+            self.optimizer.step()
 
     def zero_grad(self) -> None:
         if self.name in DEAR_ALGORITHMS:
