@@ -20,6 +20,7 @@ CLI = [sys.executable, "-m", "gradsync"]
 def test_bench_smoke_reports_every_field(tmp_path):
     proc = subprocess.run(CLI + ["bench", "--hosts", "2", "--steps", "3", "--warmup", "1", "--rounds", "2",
                                  "--algorithms", "allreduce,covap,dear-covap", "--ratio", "2",
+                                 "--to-accuracy", "0.3", "--eval-every", "5", "--max-accuracy-steps", "60",
                                  "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradsync bench" in proc.stdout and "loopback, NOT shaped" in proc.stdout
@@ -37,6 +38,12 @@ def test_bench_smoke_reports_every_field(tmp_path):
     assert rows["allreduce"]["speedup_vs_allreduce"] == 1.0
     assert rows["covap"]["bytes_per_iteration"] < 0.75 * rows["allreduce"]["bytes_per_iteration"]
     assert (tmp_path / "breakdown.png").stat().st_size > 5000
+    for r in rows.values():
+        tta = r["time_to_accuracy"]
+        assert tta["curve"] and tta["steps"] <= 60
+        assert tta["seconds"] is None or tta["curve"][-1][1] >= 0.3
+    assert rows["allreduce"]["time_to_accuracy"]["seconds"] is not None, "0.3 is reached within 60 steps"
+    assert (tmp_path / "accuracy.png").exists()
 
 
 @needs_data

@@ -130,7 +130,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
     p.add_argument("--to-accuracy", type=float, default=None,
                    help="also train each algorithm until this test accuracy (0-1) and report the time")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between time-to-accuracy evaluations")
+    p.add_argument("--max-accuracy-steps", type=int, default=d.max_accuracy_steps,
+                   help="give up on --to-accuracy after this many steps")
     p.add_argument("--seed", type=int, default=d.seed)
     _add_algorithm_options(p, d)
     p.add_argument("--data-dir", default=None)
@@ -158,7 +160,8 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, threads=args.threads, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
         fusion_mb=args.fusion_mb, ratio=args.ratio, density=args.density, error_feedback=args.error_feedback,
         compressor=args.compressor, levels=args.levels, powersgd_rank=args.powersgd_rank,
-        to_accuracy=args.to_accuracy, eval_every=args.eval_every, timeout=args.timeout, data_dir=args.data_dir)
+        to_accuracy=args.to_accuracy, eval_every=args.eval_every, max_accuracy_steps=args.max_accuracy_steps,
+        timeout=args.timeout, data_dir=args.data_dir)
     if rates is None:
         if args.latency is not None or args.bandwidth_schedule:
             raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")
