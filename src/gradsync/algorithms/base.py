@@ -31,12 +31,7 @@ class HookState:
 
     def __init__(self, process_group: dist.ProcessGroup | None = None):
         self.process_group = process_group
-        self.iteration = 0
-        self.bytes_sent = 0
-        self.dense_bytes = 0
-        self.collectives = 0
-        self.buckets_skipped = 0
-        self.compress_seconds = 0.0
+        init_counters(self)
 
     # -- helpers for hooks ------------------------------------------------------------------
     @property
@@ -94,6 +89,16 @@ class HookState:
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+
+
+def init_counters(obj: Any) -> None:
+    """Set the counters every algorithm reports (see :class:`HookState`) to zero on ``obj``."""
+    obj.iteration = 0
+    obj.bytes_sent = 0
+    obj.dense_bytes = 0
+    obj.collectives = 0
+    obj.buckets_skipped = 0
+    obj.compress_seconds = 0.0
 
 
 def counter_stats(obj: Any) -> dict[str, Any]:

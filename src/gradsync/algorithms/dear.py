@@ -66,7 +66,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..tuning.fusion import FusionTuner
-from .base import counter_stats
+from .base import counter_stats, init_counters
 from ..validation import check_float, check_int
 
 MB = 2**20
@@ -263,12 +263,7 @@ class DeAR:
             self._tuner.process_group = self.rs_group
 
         # ---- counters ----
-        self.iteration = 0
-        self.bytes_sent = 0
-        self.dense_bytes = 0
-        self.collectives = 0
-        self.buckets_skipped = 0
-        self.compress_seconds = 0.0
+        init_counters(self)
         self.rs_wait_seconds = 0.0
         self.ag_wait_seconds = 0.0
         self.buffer_seconds = 0.0
