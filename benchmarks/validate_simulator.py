@@ -10,7 +10,11 @@ simulator then predicts each algorithm's iteration time from the run's compute p
   the bench measured in its rounds, and the link rate scaled so the alpha-beta model reproduces the
   bench's single blocking dense all-reduce (for DeAR: its blocking reduce-scatter + all-gather)
   measurement. Two numbers a user can measure on any cluster; everything else (overlap, dropped
-  buckets, compression) is left to the model.
+  buckets, compression) is left to the model;
+* **calibrated + overlap**: as calibrated, plus the overlap efficiency (the rate at which
+  communication progresses while backward compute runs) fitted on the dense ``allreduce`` row of
+  the same run; the other algorithms are then predicted with it. The allreduce row is the fit, not a
+  prediction.
 
     python benchmarks/validate_simulator.py --hosts 4 --bandwidths 5,10,20 \\
         --algorithms allreduce,fp16,covap,dear --out runs/validate
@@ -46,6 +50,21 @@ def _scale_compute(profile: dict, compute_s: float):
     return load_profile(scaled)
 
 
+def _fit_overlap(profile, world_size: int, net: Network, measured_s: float) -> float:
+    """Overlap efficiency in (0, 1] at which simulated dense all-reduce matches ``measured_s``
+    (bisection; the iteration time falls monotonically as the efficiency rises)."""
+    lo, hi = 0.01, 1.0
+    if simulate(profile, "dense", world_size, net, overlap_efficiency=hi).iteration_s >= measured_s:
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if simulate(profile, "dense", world_size, net, overlap_efficiency=mid).iteration_s > measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=4)
@@ -55,6 +74,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--efficiency", type=float, default=0.96, help="measured Gloo fraction of the tbf rate")
     ap.add_argument("--out", default="runs/validate")
+    ap.add_argument("--reuse", action="store_true", help="reuse bench.json files already in --out")
     args = ap.parse_args()
     rows = []
     for bw in [float(b) for b in args.bandwidths.split(",")]:
@@ -62,8 +82,9 @@ def main() -> int:
         cmd = [sys.executable, "-m", "gradsync", "bench", "--hosts", str(args.hosts), "--bandwidth", f"{bw:g}",
                "--algorithms", args.algorithms, "--steps", str(args.steps), "--rounds", str(args.rounds),
                "--out", str(out)]
-        print("$ " + " ".join(cmd[2:]), flush=True)
-        subprocess.run(cmd, check=True)
+        if not (args.reuse and (out / "bench.json").exists()):
+            print("$ " + " ".join(cmd[2:]), flush=True)
+            subprocess.run(cmd, check=True)
         result = json.loads((out / "bench.json").read_text())
         profile = load_profile(result["profile"])
         calibrated_profile = _scale_compute(result["profile"], result["compute_only_s"])
@@ -74,28 +95,36 @@ def main() -> int:
         rsag_model = 2 * reduce_scatter_time(4 * sum(numels), p, Network.from_mbit(bw))
         net_ar = Network.from_mbit(bw * ar_model / result["dense_allreduce_s"])
         net_rsag = Network.from_mbit(bw * rsag_model / result["dense_rs_ag_s"])
+        dense = next((r for r in result["rows"] if r["algorithm"] == "allreduce"), None)
+        eta = 1.0
+        if dense is not None:
+            eta = _fit_overlap(calibrated_profile, p, net_ar, dense["iteration_s"]["median"])
         for r in result["rows"]:
             plan = plan_for(r["algorithm"], result)
             meas = r["iteration_s"]["median"]
             pred = simulate(profile, plan, p, nominal).iteration_s
             net = net_rsag if plan == "dear" else net_ar
             cal = simulate(calibrated_profile, plan, p, net).iteration_s
-            rows.append((bw, r["algorithm"], meas, pred, (pred - meas) / meas, cal, (cal - meas) / meas))
+            ov = simulate(calibrated_profile, plan, p, net, overlap_efficiency=eta).iteration_s
+            rows.append((bw, r["algorithm"], meas, pred, (pred - meas) / meas, cal, (cal - meas) / meas,
+                         ov, (ov - meas) / meas, eta))
     table = Table(title=f"simulate vs bench, {args.hosts} emulated hosts (tbf), median iteration time")
-    for c in ("Mbit/s", "algorithm", "measured ms", "nominal ms", "error", "calibrated ms", "error"):
+    for c in ("Mbit/s", "algorithm", "measured ms", "nominal ms", "error", "calibrated ms", "error",
+              "+overlap ms", "error", "eta"):
         table.add_column(c, justify="right")
-    for bw, alg, meas, pred, err, cal, cerr in rows:
+    for bw, alg, meas, pred, err, cal, cerr, ov, oerr, eta in rows:
         table.add_row(f"{bw:g}", alg, f"{meas * 1e3:.1f}", f"{pred * 1e3:.1f}", f"{err * 100:+.1f}%",
-                      f"{cal * 1e3:.1f}", f"{cerr * 100:+.1f}%")
-    Console(width=110).print(table)
-    for label, col in (("nominal", 4), ("calibrated", 6)):
-        errs = [abs(r[col]) for r in rows]
+                      f"{cal * 1e3:.1f}", f"{cerr * 100:+.1f}%", f"{ov * 1e3:.1f}",
+                      "fit" if alg == "allreduce" else f"{oerr * 100:+.1f}%", f"{eta:.2f}")
+    Console(width=130).print(table)
+    for label, col, skip_fit in (("nominal", 4, False), ("calibrated", 6, False), ("calibrated + overlap", 8, True)):
+        errs = [abs(r[col]) for r in rows if not (skip_fit and r[1] == "allreduce")]
         print(f"{label}: mean |error| {sum(errs) / len(errs) * 100:.1f}%, max {max(errs) * 100:.1f}%, "
               f"{sum(e <= 0.10 for e in errs)}/{len(errs)} within 10%")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "validation.json").write_text(json.dumps(
         [dict(zip(("bandwidth_mbit", "algorithm", "measured_s", "nominal_s", "nominal_error", "calibrated_s",
-                   "calibrated_error"), r)) for r in rows],
+                   "calibrated_error", "overlap_s", "overlap_error", "overlap_efficiency"), r)) for r in rows],
         indent=1))
     return 0
 

@@ -328,3 +328,16 @@ def test_sweep_rows_and_plot(tmp_path):
     out = plot_scaling(rows, tmp_path / "scaling.png", title="synthetic")
     with open(out, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overlap_efficiency_stretches_only_the_overlapped_part():
+    # one 4,000-byte bucket ready 0.2 s into a 1 s backward; its all-reduce costs 0.6 s at full rate
+    prof = synthetic_profile([1000], forward_s=0.0, backward_s=1.0, ready_s=[0.2])
+    net = Network.from_alpha_beta(0.0, 1.5e-4)
+    assert allreduce_time(4000, 2, net) == pytest.approx(0.6)
+    # full overlap: ends at 0.8 s, hidden under the 1 s backward
+    assert simulate(prof, "dense", 2, net).iteration_s == pytest.approx(1.0)
+    # at half rate the 0.8 s of overlap carries 0.4 s of work; the other 0.2 s runs after backward
+    assert simulate(prof, "dense", 2, net, overlap_efficiency=0.5).iteration_s == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="overlap_efficiency"):
+        simulate(prof, "dense", 2, net, overlap_efficiency=0.0)

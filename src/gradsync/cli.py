@@ -273,6 +273,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the profile's compute times (e.g. 0.02 for a GPU 50x faster than the CPU "
                         "that recorded it)")
+    p.add_argument("--overlap-efficiency", type=float, default=1.0,
+                   help="rate (0-1] at which communication progresses while backward runs; measured ~0.56 for "
+                        "4 Gloo ranks on 2 CPU cores (benchmarks/validate_simulator.py), 1 for GPUs with NICs")
     p.add_argument("--out", default="runs/simulate", help="directory for simulate.json and scaling.png")
     p.set_defaults(func=_simulate)
 
@@ -297,7 +300,7 @@ def _simulate(args: argparse.Namespace) -> int:
     plans = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     sizes = [int(w) for w in args.world_sizes.split(",")]
     bws = [float(b) for b in args.bandwidths.split(",")]
-    rows = sweep(profile, plans, sizes, bws, args.latency_us * 1e-6)
+    rows = sweep(profile, plans, sizes, bws, args.latency_us * 1e-6, args.overlap_efficiency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(json.dumps({"profile": args.profile, "compute_scale": scale,

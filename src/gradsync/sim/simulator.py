@@ -598,7 +598,19 @@ def _wire_bytes(kind: str, nbytes: float, p: int) -> float:
     return (p - 1) * nbytes  # sparse_allgather: ring forwards every other rank's payload
 
 
-def _simulate_step(profile: Profile, plans: list[BucketPlan], p: int, net: Network) -> tuple:
+def _overlapped_end(start: float, cost: float, compute_end: float, eta: float) -> float:
+    """End time of a collective of ``cost`` seconds starting at ``start`` when it progresses at rate
+    ``eta`` (0 < eta <= 1) while compute runs (until ``compute_end``) and at full rate after."""
+    if start >= compute_end or eta >= 1.0:
+        return start + cost
+    capacity = (compute_end - start) * eta
+    if cost <= capacity:
+        return start + cost / eta
+    return compute_end + (cost - capacity)
+
+
+def _simulate_step(profile: Profile, plans: list[BucketPlan], p: int, net: Network,
+                   eta: float = 1.0) -> tuple:
     n = len(profile.buckets)
     if len(plans) != n:
         raise ValueError(f"plan gave {len(plans)} bucket plans for {n} buckets")
@@ -626,7 +638,8 @@ def _simulate_step(profile: Profile, plans: list[BucketPlan], p: int, net: Netwo
             if s.phase != "backward":
                 continue
             cost = collective_time(s.kind, s.nbytes, p, net)
-            comm_free = max(comm_free, forward_end + b.ready_s) + cost
+            comm_free = _overlapped_end(max(comm_free, forward_end + b.ready_s), cost,
+                                        forward_end + profile.backward_s, eta)
             comm_busy += cost
     for bp in plans:
         for s in bp.steps:
@@ -638,15 +651,19 @@ def _simulate_step(profile: Profile, plans: list[BucketPlan], p: int, net: Netwo
 
 
 def simulate(profile: Profile | Mapping[str, Any] | str, plan: AlgorithmPlan | str,
-             world_size: int, network: Network) -> Result:
+             world_size: int, network: Network, overlap_efficiency: float = 1.0) -> Result:
     """Predict one training iteration of ``profile`` under ``plan`` on ``world_size`` ranks.
 
     See the module docstring for the timeline model (wait-free back-propagation, FIFO collectives,
     alpha-beta costs). ``profile`` may be anything :func:`load_profile` takes; ``plan`` a plan or a
-    :func:`make_plan` spec. ``world_size = 1`` has no communication.
+    :func:`make_plan` spec. ``world_size = 1`` has no communication. ``overlap_efficiency`` (0, 1]
+    is the rate at which a collective progresses while backward compute runs (1 = communication is
+    free to overlap; below 1 when compute and communication share saturated CPUs, as with Gloo on
+    a few cores); after backward it runs at full rate.
 
     Raises:
-        ValueError: for a bad profile, plan spec, ``world_size < 1`` or a non-Network ``network``.
+        ValueError: for a bad profile, plan spec, ``world_size < 1``, a non-Network ``network`` or
+            ``overlap_efficiency`` outside (0, 1].
     """
     profile = load_profile(profile)
     if isinstance(plan, str):
@@ -657,9 +674,10 @@ def simulate(profile: Profile | Mapping[str, Any] | str, plan: AlgorithmPlan | s
     if not isinstance(network, Network):
         raise ValueError(f"network must be a gradsync.sim.Network, got {type(network).__name__}")
     period = check_int("plan.period", plan.period, 1)
+    eta = check_float("overlap_efficiency", overlap_efficiency, 0.0, 1.0, low_inclusive=False)
     acc = np.zeros(5)
     for step in range(period):
-        acc += _simulate_step(profile, plan.bucket_plans(profile, p, step), p, network)
+        acc += _simulate_step(profile, plan.bucket_plans(profile, p, step), p, network, eta)
     iteration, overhead, comm_busy, payload, wire = (acc / period).tolist()
     compute = profile.compute_s
     exposed = max(0.0, iteration - compute - overhead)
@@ -673,6 +691,7 @@ def sweep(
     world_sizes: Sequence[int],
     bandwidths_gbps: Sequence[float],
     latency_s: float = 0.0,
+    overlap_efficiency: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Simulate every (plan, world size, bandwidth) combination; one dict per row.
 
@@ -694,7 +713,7 @@ def sweep(
         for ws in world_sizes:
             base = None
             for plan in built:
-                r = simulate(profile, plan, ws, net)
+                r = simulate(profile, plan, ws, net, overlap_efficiency)
                 if base is None:
                     base = r.iteration_s
                 rows.append({
