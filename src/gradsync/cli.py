@@ -27,6 +27,10 @@ def _add_algorithm_options(p: argparse.ArgumentParser, d) -> None:
     p.add_argument("--levels", type=int, default=d.levels, help="QSGD quantisation levels")
     p.add_argument("--search-interval", type=int, default=None,
                    help="GraVAC steps between compression-factor search boundaries (default: a quarter epoch)")
+    p.add_argument("--gain-floor", type=float, default=0.75,
+                   help="GraVAC epsilon: a compressor whose compression gain falls below it is not used")
+    p.add_argument("--plateau-tolerance", type=float, default=0.05,
+                   help="GraVAC omega: stop searching when the two best compression throughputs are this close")
     p.add_argument("--rank", dest="powersgd_rank", type=int, default=d.powersgd_rank,
                    help="PowerSGD matrix approximation rank")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="DDP bucket size (MB)")
@@ -81,7 +85,8 @@ def _train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, ratio=args.ratio, density=args.density,
         error_feedback=args.error_feedback, compressor=args.compressor, levels=args.levels,
         powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb, fusion_mb=args.fusion_mb,
-        search_interval=args.search_interval, train_samples=args.train_samples,
+        search_interval=args.search_interval, gain_floor=args.gain_floor,
+        plateau_tolerance=args.plateau_tolerance, train_samples=args.train_samples,
         checkpoint=args.checkpoint, resume=args.resume,
         data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
         progress=not args.no_progress,
@@ -160,6 +165,7 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, threads=args.threads, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
         fusion_mb=args.fusion_mb, ratio=args.ratio, density=args.density, error_feedback=args.error_feedback,
         compressor=args.compressor, levels=args.levels, powersgd_rank=args.powersgd_rank,
+        search_interval=args.search_interval, gain_floor=args.gain_floor, plateau_tolerance=args.plateau_tolerance,
         to_accuracy=args.to_accuracy, eval_every=args.eval_every, max_accuracy_steps=args.max_accuracy_steps,
         timeout=args.timeout, data_dir=args.data_dir)
     if rates is None:

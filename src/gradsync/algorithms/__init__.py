@@ -60,11 +60,12 @@ def _compressed(name: str, **fixed: Any):
 
 
 def _gravac(process_group=None, model=None, compressor: str = "topk", batch_size: int = 1,
-            steps_per_epoch: int = 200, search_interval: int | None = None, **_: Any):
+            steps_per_epoch: int = 200, search_interval: int | None = None, gain_floor: float = 0.75,
+            plateau_tolerance: float = 0.05, **_: Any):
     # The reference code searches once per epoch; a quarter epoch lets short runs explore 10x..10,000x.
     interval = search_interval or max(1, steps_per_epoch // 4)
     state = GravacState(compressor=compressor, batch_size=batch_size, process_group=process_group,
-                        search_interval=interval, model=model)
+                        search_interval=interval, epsilon=gain_floor, omega=plateau_tolerance, model=model)
     return state, gravac_hook
 
 

@@ -32,6 +32,9 @@ class BenchConfig:
     compressor: str = "topk"
     levels: int = 127
     powersgd_rank: int = 2
+    search_interval: int | None = None
+    gain_floor: float = 0.75
+    plateau_tolerance: float = 0.05
     to_accuracy: float | None = None      # also train each algorithm until this test accuracy
     eval_every: int = 50                  # steps between evaluations in the time-to-accuracy phase
     max_accuracy_steps: int = 2000
@@ -73,6 +76,10 @@ class BenchConfig:
         check_choice("compressor", self.compressor, ["topk", "dgc", "redsync", "randomk"])
         check_int("levels", self.levels, 1, 32767)
         check_int("powersgd_rank", self.powersgd_rank, 1, 64)
+        if self.search_interval is not None:
+            check_int("search_interval", self.search_interval, 1)
+        check_float("gain_floor", self.gain_floor, 0.0, None, low_inclusive=False)
+        check_float("plateau_tolerance", self.plateau_tolerance, 0.0, None)
         if self.to_accuracy is not None:
             check_float("to_accuracy", self.to_accuracy, 0.0, 1.0, low_inclusive=False)
         check_int("eval_every", self.eval_every, 1, 100_000)
@@ -89,6 +96,7 @@ class BenchConfig:
     def algorithm_options(self) -> dict[str, Any]:
         """Keyword options for :class:`~gradsync.train.parallel.DataParallel`."""
         return {"ratio": self.ratio, "density": self.density, "compressor": self.compressor,
-                "error_feedback": self.error_feedback,
+                "error_feedback": self.error_feedback, "search_interval": self.search_interval,
+                "gain_floor": self.gain_floor, "plateau_tolerance": self.plateau_tolerance,
                 "levels": self.levels, "rank": self.powersgd_rank, "seed": self.seed,
                 "batch_size": self.batch_size}

@@ -32,6 +32,8 @@ class TrainConfig:
     error_feedback: bool = True   # error feedback for the compressors of the compressor library
     compressor: str = "topk"      # GraVAC's sparsifier
     search_interval: int | None = None  # GraVAC steps between search boundaries; None: a quarter epoch
+    gain_floor: float = 0.75      # GraVAC epsilon: least compression gain a compressor may have
+    plateau_tolerance: float = 0.05  # GraVAC omega: relative gap of the two best throughputs to stop
     levels: int = 127             # QSGD quantisation levels
     powersgd_rank: int = 2        # PowerSGD matrix approximation rank
     bucket_cap_mb: float = 0.1    # DDP bucket size (MB)
@@ -75,6 +77,8 @@ class TrainConfig:
         check_float("density", self.density, 0.0, 1.0, low_inclusive=False)
         check_choice("compressor", self.compressor, ["topk", "dgc", "redsync", "randomk"])
         check_int("levels", self.levels, 1, 32767)
+        check_float("gain_floor", self.gain_floor, 0.0, None, low_inclusive=False)
+        check_float("plateau_tolerance", self.plateau_tolerance, 0.0, None)
         if self.search_interval is not None:
             check_int("search_interval", self.search_interval, 1)
         check_int("powersgd_rank", self.powersgd_rank, 1, 64)

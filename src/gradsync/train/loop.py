@@ -73,7 +73,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                       fusion_mb=cfg.fusion_mb, device=device, ratio=cfg.ratio, density=cfg.density,
                       error_feedback=cfg.error_feedback, compressor=cfg.compressor, levels=cfg.levels,
                       rank=cfg.powersgd_rank, seed=cfg.seed, batch_size=cfg.batch_size,
-                      steps_per_epoch=steps_per_epoch, search_interval=cfg.search_interval)
+                      steps_per_epoch=steps_per_epoch, search_interval=cfg.search_interval,
+                      gain_floor=cfg.gain_floor, plateau_tolerance=cfg.plateau_tolerance)
     state, opt = dp.state, dp.optimizer
     check_config_agreement(dp.config())
     dp.warm_up(warm, loss_fn)
@@ -99,15 +100,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     epoch_log: list[dict[str, float]] = []
     start_epoch, step, train_time = 0, 0, 0.0
     if cfg.resume:
-        ckpt = load_checkpoint(cfg.resume, rank)
-        if ckpt["config"]["algorithm"] != cfg.algorithm:
-            raise ValueError(f"resume: checkpoint was written by algorithm {ckpt['config']['algorithm']!r}, "
-                             f"not {cfg.algorithm!r}")
-        dp.module.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        state.load_state_dict(ckpt["algorithm"])
-        torch.set_rng_state(ckpt["rng"])
+        ckpt = _restore(cfg, rank, dp, sched)
         start_epoch, step, train_time = ckpt["epoch"], ckpt["step"], ckpt["train_seconds"]
         iterations, epoch_log = ckpt["iterations"], ckpt["epochs"]
         if progress is not None:
@@ -161,8 +154,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         if cfg.checkpoint:
             save_checkpoint(f"{cfg.checkpoint}/epoch{epoch + 1}", rank, {
                 "config": cfg.to_dict(), "epoch": epoch + 1, "step": step, "train_seconds": train_time,
-                "model": dp.module.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "algorithm": state.state_dict(),
+                "model": dp.module.state_dict(), "optimizer": dp.optimizer.state_dict(),
+                "scheduler": sched.state_dict(), "algorithm": dp.state.state_dict(),
                 "rng": torch.get_rng_state(), "iterations": iterations, "epochs": epoch_log})
         if step >= total_steps:
             break
@@ -201,3 +194,23 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
             "iterations": iterations, "epochs": epoch_log}
+
+
+def _restore(cfg: TrainConfig, rank: int, dp: DataParallel, sched: Any) -> dict[str, Any]:
+    """Load this rank's checkpoint from ``cfg.resume`` into the model, optimizer, LR scheduler,
+    algorithm state and torch RNG; return the checkpoint (epoch, step, logs).
+
+    Raises:
+        FileNotFoundError: if the rank's file is missing.
+        ValueError: if the checkpoint was written by another algorithm.
+    """
+    ckpt = load_checkpoint(cfg.resume, rank)
+    if ckpt["config"]["algorithm"] != cfg.algorithm:
+        raise ValueError(f"resume: checkpoint was written by algorithm {ckpt['config']['algorithm']!r}, "
+                         f"not {cfg.algorithm!r}")
+    dp.module.load_state_dict(ckpt["model"])
+    dp.optimizer.load_state_dict(ckpt["optimizer"])
+    sched.load_state_dict(ckpt["scheduler"])
+    dp.state.load_state_dict(ckpt["algorithm"])
+    torch.set_rng_state(ckpt["rng"])
+    return ckpt
