@@ -313,3 +313,24 @@ def test_bad_arguments():
     assert set(ALGORITHMS) == {"oscar-sw", "oscar-asc", "countsketch"}
     assert ALGORITHMS["oscar-asc"] == (OscarASCState, oscar_hook)
     assert ALGORITHMS["countsketch"] == (CountSketchState, countsketch_hook)
+
+
+def _ddp_train_sync(rank, world_size, algo, kwargs, steps):
+    cls = ALGORITHMS[algo][0]
+    saved = cls.overlap
+    cls.overlap = False  # run the reduction in the hook body instead of the bucket worker
+    try:
+        return _ddp_train(rank, world_size, algo, kwargs, steps)
+    finally:
+        cls.overlap = saved
+
+
+def test_bucket_worker_gives_the_same_result_as_the_hook_body():
+    # the worker thread only moves the reduction off the autograd thread; the order of the
+    # collectives and every value must be the same
+    for algo in ("oscar-asc", "countsketch"):
+        overlapped = run_ranks(_ddp_train, 2, algo, dict(sketch_ratio=0.1), 5, timeout=90)
+        sync = run_ranks(_ddp_train_sync, 2, algo, dict(sketch_ratio=0.1), 5, timeout=90)
+        for r in range(2):
+            assert torch.equal(overlapped[r][0], sync[r][0]), algo
+            assert overlapped[r][1] == sync[r][1], algo

@@ -45,9 +45,12 @@ class HookState:
 
     def end_bucket(self, bucket: Any) -> None:
         """Account the dense size of ``bucket`` and advance ``iteration`` after the last bucket."""
-        buf = bucket.buffer()
+        self.end_bucket_of(bucket.buffer(), bucket.is_last())
+
+    def end_bucket_of(self, buf: torch.Tensor, is_last: bool) -> None:
+        """:meth:`end_bucket` for a bucket given by its flat buffer and ``is_last()`` flag."""
         self.dense_bytes += buf.numel() * buf.element_size()
-        if bucket.is_last():
+        if is_last:
             self.iteration += 1
 
     class _Timer:

@@ -151,6 +151,43 @@ def _completed(t: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+class _BucketOrder:
+    """Runs each bucket's whole reduction on one background thread, in bucket order.
+
+    The OSCAR and count-sketch reductions are several dependent collectives (scale all-reduce,
+    sketch all-reduce, ring steps) that cannot be chained from Future callbacks on Gloo (callbacks
+    run in different orders on different ranks). One worker thread per state runs them in the
+    order the hooks were called, which DDP keeps identical on every rank, while backward goes on:
+    communication overlaps computation. ``overlap = False`` runs them in the hook body instead.
+    """
+
+    overlap = True
+
+    def _submit(self, work: Any) -> torch.futures.Future:
+        if not self.overlap:
+            return _completed(work())
+        pool = self.__dict__.get("_pool")
+        if pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            pool = self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-bucket")
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def job() -> None:
+            try:
+                fut.set_result(work())
+            except BaseException as exc:  # noqa: BLE001 - DDP re-raises it in backward
+                fut.set_exception(exc)
+
+        pool.submit(job)
+        return fut
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = super().__getstate__()  # type: ignore[misc]
+        d.pop("_pool", None)
+        return d
+
+
 def stochastic_round(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Unbiased stochastic rounding ``floor(y + u)``, ``u ~ U[0, 1)``.
 
@@ -183,7 +220,7 @@ def split_by_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
 
 
-class OscarState(HookState):
+class OscarState(_BucketOrder, HookState):
     """State of :func:`oscar_hook` (OSCAR-SW and OSCAR with ASC, reconstructed).
 
     Args:
@@ -573,21 +610,23 @@ def _dense_bucket(state: HookState, buf: torch.Tensor) -> torch.Tensor:
 def oscar_hook(state: OscarState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for :class:`OscarState` (``oscar-sw`` / ``oscar-asc``).
 
-    Communicates synchronously in the hook body and returns a completed Future holding the bucket
-    buffer (averaged gradient, same shape and dtype).
+    The reduction runs on the state's bucket worker thread (see :class:`_BucketOrder`); the Future
+    holds the bucket buffer (averaged gradient, same shape and dtype).
 
     Raises:
         ValueError: if the bucket is not on the CPU (the coders and sketches run on CPU tensors; the
             project targets Gloo).
     """
-    buf = _reduce_bucket(state, bucket)
-    if bucket.is_last() and state.iteration > state.start_iter:
-        state.wire_bytes_last_step = state.wire_bytes - state._wire_at_step_start
-        state._wire_at_step_start = state.wire_bytes
-    return _completed(buf)
+
+    def after_last() -> None:
+        if state.iteration > state.start_iter:
+            state.wire_bytes_last_step = state.wire_bytes - state._wire_at_step_start
+            state._wire_at_step_start = state.wire_bytes
+
+    return _reduce_bucket(state, bucket, after_last)
 
 
-class CountSketchState(HookState):
+class CountSketchState(_BucketOrder, HookState):
     """Count-sketch baseline, state of :func:`countsketch_hook`.
 
     ``variant="fetchsgd"`` (FetchSGD, Rothchild et al. 2020): per bucket every rank
@@ -718,27 +757,33 @@ class CountSketchState(HookState):
 
 
 def countsketch_hook(state: CountSketchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook for :class:`CountSketchState`; synchronous, returns a completed Future.
+    """DDP comm hook for :class:`CountSketchState`, run on the state's bucket worker thread.
 
     Raises:
         ValueError: if the bucket is not on the CPU.
     """
-    return _completed(_reduce_bucket(state, bucket))
+    return _reduce_bucket(state, bucket)
 
 
-def _reduce_bucket(state: Any, bucket: dist.GradBucket) -> torch.Tensor:
-    """Dense all-reduce before ``start_iter``, then ``state.reduce`` of the flat bucket, in place;
-    advances the iteration counters."""
-    buf = bucket.buffer()
+def _reduce_bucket(state: Any, bucket: dist.GradBucket, after_last: Any = None) -> torch.futures.Future:
+    """Dense all-reduce before ``start_iter``, then ``state.reduce`` of the flat bucket, in place,
+    advancing the iteration counters; submitted to the state's bucket worker."""
+    buf, index, is_last = bucket.buffer(), bucket.index(), bucket.is_last()
     _check_cpu(buf)
-    if state.iteration < state.start_iter:
-        _dense_bucket(state, buf)
-    else:
-        buf.copy_(state.reduce(buf.view(-1), bucket.index()).view_as(buf))
-        if bucket.is_last():
-            state.compressed_iterations += 1
-    state.end_bucket(bucket)
-    return buf
+
+    def work() -> torch.Tensor:
+        if state.iteration < state.start_iter:
+            _dense_bucket(state, buf)
+        else:
+            buf.copy_(state.reduce(buf.view(-1), index).view_as(buf))
+            if is_last:
+                state.compressed_iterations += 1
+        state.end_bucket_of(buf, is_last)
+        if is_last and after_last is not None:
+            after_last()
+        return buf
+
+    return state._submit(work)
 
 
 #: name -> (state class, hook) for the algorithm registry / CLI.
