@@ -1,8 +1,7 @@
-"""The data-parallel training loop one rank runs (DDP + a gradsync communication hook)."""
+"""The data-parallel training loop one rank runs (DDP + a gradsync hook, or DeAR)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from typing import Any
@@ -20,8 +19,6 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate
 from .parallel import DataParallel
-
-log = logging.getLogger(__name__)
 
 
 def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] | None:
