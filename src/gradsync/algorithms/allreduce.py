@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from ..comm.sparse import dense_allreduce
 from .base import HookState
 
 
@@ -23,12 +24,9 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
 
     Bitwise identical to DDP's built-in reduction (it divides by world size before the sum).
     """
-    buf = bucket.buffer()
-    buf.div_(state.world_size)
-    state.count_collective(buf)
+    fut = dense_allreduce(bucket.buffer(), state.process_group, state.count_collective)
     state.end_bucket(bucket)
-    fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return fut
 
 
 class FP16State(HookState):

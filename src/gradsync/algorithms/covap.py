@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.sparse import dense_allreduce
 from ..compressors.covap_shards import MAX_RATIO, CovapPlan
 from ..feedback.discounted import DiscountedErrorFeedback, default_ramp
 from ..validation import check_float, check_int
@@ -135,11 +136,9 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     world = state.world_size
     if t < state.start_iter:
         state.bucket_numels[index] = buf.numel()
-        buf.div_(world)
-        state.count_collective(buf)
+        fut = dense_allreduce(buf, state.process_group, state.count_collective)
         state.end_bucket(bucket)
-        fut = dist.all_reduce(buf, group=state.process_group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+        return fut
 
     plan = state._plan()
     if index >= len(plan.numels) or plan.numels[index] != buf.numel():

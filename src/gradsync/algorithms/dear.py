@@ -65,14 +65,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.collectives import all_gather_flat, reduce_scatter_flat
 from ..tuning.fusion import FusionTuner
 from .base import counter_stats, init_counters
 from ..validation import check_float, check_int
 
 MB = 2**20
-# torch >= 2.13 renames reduce_scatter_tensor / all_gather_into_tensor (same semantics)
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 MAX_FUSION_MB = 1_000_000.0
 
 #: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
@@ -423,7 +421,7 @@ class DeAR:
                 self.buckets_skipped += 1
                 return
         src, dst = (g.c_in, g.c_shard) if g.sel is not None else (g.grad_buf, g.shard)
-        g.rs_work = _reduce_scatter(dst, src, group=self.rs_group, async_op=True)
+        g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
         self.collectives += 1
         self.bytes_sent += src.numel() * src.element_size()
 
@@ -498,7 +496,7 @@ class DeAR:
                 return
             g = self._groups[self._next_ag]
             out, src = (g.c_out, g.c_shard) if g.sel is not None else (g.gathered, g.shard)
-            g.ag_work = _all_gather(out, src, group=self.ag_group, async_op=True)
+            g.ag_work = all_gather_flat(out, src, group=self.ag_group, async_op=True)
             self.collectives += 1
             self.bytes_sent += src.numel() * src.element_size()
             self._ag_inflight += 1

@@ -96,6 +96,7 @@ import torch.distributed as dist
 
 from gradsync.algorithms.base import HookState
 from gradsync.coding.asc import ASCRingCoder
+from gradsync.comm.collectives import all_gather_flat
 from gradsync.comm.ring import balanced_bounds, equal_bounds, ring_all_reduce_coded
 from gradsync.compressors.countsketch import DEFAULT_SEED, CountSketch, HashCache, sketch_cols
 from gradsync.validation import check_choice, check_float, check_int
@@ -561,8 +562,7 @@ class OscarState(_BucketOrder, HookState):
         if self.global_balance and p > 1:
             mine = torch.tensor(rs.rs_bytes, dtype=torch.float64)
             allb = torch.zeros(p * mine.numel(), dtype=torch.float64)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch >= 2.13
-            gather(allb, mine, group=pg)
+            all_gather_flat(allb, mine, group=pg)
             per_step = allb.view(p, -1)
             mean = per_step.mean(0)
             ok = mean > 0

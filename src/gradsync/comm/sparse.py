@@ -23,15 +23,10 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
+from gradsync.comm.collectives import all_gather_flat
 from gradsync.compressors.base import Compressor, Ctx, Payload
 
 Counter = Callable[..., None]
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group, async_op: bool = False):
-    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics).
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _done(value) -> torch.futures.Future:
@@ -94,7 +89,7 @@ def allgather_payload(
         all_sizes = torch.empty(world * len(payload), dtype=torch.int64)
         if counter is not None:
             counter(sizes)
-        _all_gather(all_sizes, sizes, group)
+        all_gather_flat(all_sizes, sizes, group=group)
         all_sizes = all_sizes.view(world, len(payload))
     nbytes = all_sizes * torch.tensor(itemsizes, dtype=torch.int64)
     max_bytes = int(nbytes.sum(dim=1).max()) if len(payload) else 0
@@ -123,7 +118,7 @@ def allgather_payload(
     out = torch.empty(world * max_bytes, dtype=torch.uint8)
     if counter is not None:
         counter(local)
-    work = _all_gather(out, local, group, async_op=True)
+    work = all_gather_flat(out, local, group=group, async_op=True)
     return work.get_future().then(lambda _: unpack(out))
 
 
