@@ -12,11 +12,12 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch._dynamo  # noqa: F401  DDP imports it lazily (~6 s per forked rank); import once before fork
+
+from gradsync.comm.rendezvous import free_port
 
 
 class RankFailed(RuntimeError):
@@ -24,12 +25,6 @@ class RankFailed(RuntimeError):
         self.failures = failures
         lines = [f"rank {r}: {msg}" for r, msg in sorted(failures.items())]
         super().__init__("distributed test failed:\n" + "\n".join(lines))
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, pg_timeout, fn, args, queue):

@@ -52,3 +52,26 @@ def test_every_algorithm_trains_and_keeps_replicas_identical():
 def test_unknown_algorithm_is_a_value_error():
     with pytest.raises(ValueError, match="algorithm must be one of"):
         build_hook("nope")
+
+
+def wrap_both(rank, world):
+    import gradsync
+    from gradsync.algorithms.dear import DeAR
+    from gradsync.algorithms.dear_covap import CovapGradFilter
+
+    model = make_model()
+    ddp = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm="covap", ratio=2)
+    other = make_model()
+    dear = gradsync.wrap(other, torch.optim.SGD(other.parameters(), lr=0.1), algorithm="dear-covap", ratio=2)
+    try:
+        gradsync.wrap(make_model(), None, algorithm="nope")
+    except ValueError as exc:
+        message = str(exc)
+    return (isinstance(ddp, DDP), ddp.gradsync_state.ratio, isinstance(dear, DeAR),
+            isinstance(dear.grad_filter, CovapGradFilter), dear.grad_filter.ratio, message)
+
+
+def test_wrap_builds_hooked_ddp_and_dear():
+    for is_ddp, ratio, is_dear, has_filter, filter_ratio, message in run_ranks(wrap_both, 2, timeout=60):
+        assert is_ddp and ratio == 2 and is_dear and has_filter and filter_ratio == 2
+        assert "algorithm must be one of" in message and "dear-covap" in message

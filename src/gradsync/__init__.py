@@ -21,30 +21,10 @@ def wrap(model, optimizer, algorithm: str = "dear", process_group=None, **option
     Raises:
         ValueError: for an unknown ``algorithm`` or options out of range.
     """
-    from torch.nn.parallel import DistributedDataParallel
+    from .algorithms import DEAR_ALGORITHMS, wrap_ddp, wrap_dear
 
-    from .algorithms import REGISTRY, build_hook
-
-    if algorithm in ("dear", "dear-covap"):
-        from .algorithms.dear import DeAR
-
-        grad_filter = None
-        ratio = options.pop("ratio", 3)
-        if algorithm == "dear-covap":
-            from .algorithms.dear_covap import CovapGradFilter
-
-            grad_filter = CovapGradFilter(ratio)
-        dear = DeAR(model, optimizer, process_group=process_group, grad_filter=grad_filter, **options)
-        if grad_filter is not None:
-            grad_filter.bind(dear)
-        return dear
-    if algorithm not in REGISTRY:
-        known = sorted([*REGISTRY, "dear", "dear-covap"])
-        raise ValueError(f"algorithm must be one of {', '.join(known)}; got {algorithm!r}")
-    cap = options.pop("bucket_cap_mb", 25.0)
-    ddp = DistributedDataParallel(model, process_group=process_group,
-                                  bucket_cap_mb=1e4 if REGISTRY[algorithm].single_bucket else cap)
-    state, hook = build_hook(algorithm, process_group=process_group, model=model, **options)
-    ddp.register_comm_hook(state, hook)
+    if algorithm in DEAR_ALGORITHMS:
+        return wrap_dear(model, optimizer, algorithm, process_group, **options)
+    ddp, state = wrap_ddp(model, algorithm, process_group, **options)
     ddp.gradsync_state = state
     return ddp

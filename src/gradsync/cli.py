@@ -41,7 +41,7 @@ def _add_algorithm_options(p: argparse.ArgumentParser, d) -> None:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     from .algorithms import REGISTRY
     from .train.config import TrainConfig
-    from .train.parallel import DEAR_ALGORITHMS
+    from .algorithms import DEAR_ALGORITHMS
     from .workloads import WORKLOADS
 
     d = TrainConfig()

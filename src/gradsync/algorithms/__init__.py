@@ -115,6 +115,64 @@ def register(algorithm: Algorithm) -> None:
     REGISTRY[algorithm.name] = algorithm
 
 
+#: Algorithms that replace DDP instead of plugging into it as a communication hook.
+DEAR_ALGORITHMS = ("dear", "dear-covap")
+
+
+def _unknown(name: str) -> ValueError:
+    known = sorted([*REGISTRY, *DEAR_ALGORITHMS])
+    return ValueError(f"algorithm must be one of {', '.join(known)}; got {name!r}")
+
+
+def bucket_cap_mb_for(name: str, bucket_cap_mb: float) -> float:
+    """DDP bucket size for algorithm ``name``: one bucket (10 GB cap) where the algorithm needs it
+    (torch's PowerSGD hook launches collectives from callbacks, safe on Gloo only with one bucket)."""
+    return 1e4 if REGISTRY[name].single_bucket else bucket_cap_mb
+
+
+def wrap_ddp(model: Any, name: str, process_group: dist.ProcessGroup | None = None,
+             bucket_cap_mb: float = 25.0, device_ids: list[int] | None = None, **options: Any):
+    """``DistributedDataParallel(model)`` with algorithm ``name``'s hook registered.
+
+    Returns:
+        ``(ddp, state)``.
+
+    Raises:
+        ValueError: for an unknown ``name`` or out-of-range options.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if name not in REGISTRY:
+        raise _unknown(name)
+    ddp = DistributedDataParallel(model, process_group=process_group, device_ids=device_ids,
+                                  bucket_cap_mb=bucket_cap_mb_for(name, bucket_cap_mb))
+    state, hook = build_hook(name, process_group=process_group, model=model, **options)
+    ddp.register_comm_hook(state, hook)
+    return ddp, state
+
+
+def wrap_dear(model: Any, optimizer: Any, name: str = "dear", process_group: dist.ProcessGroup | None = None,
+              ratio: int | str = 3, **dear_options: Any):
+    """A :class:`~gradsync.algorithms.dear.DeAR` wrapper; ``dear-covap`` adds COVAP's filter with
+    ratio K (``"auto"`` starts at K = 1 until ``set_ratio``), reachable as ``wrapper.grad_filter``.
+
+    Raises:
+        ValueError: for an unknown ``name`` or bad DeAR options.
+    """
+    from .dear import DeAR
+    from .dear_covap import CovapGradFilter
+
+    if name not in DEAR_ALGORITHMS:
+        raise _unknown(name)
+    grad_filter = None
+    if name == "dear-covap":
+        grad_filter = CovapGradFilter(ratio=1 if ratio == "auto" else ratio)
+    dear = DeAR(model, optimizer, process_group=process_group, grad_filter=grad_filter, **dear_options)
+    if grad_filter is not None:
+        grad_filter.bind(dear)
+    return dear
+
+
 def build_hook(name: str, process_group: dist.ProcessGroup | None = None, **options: Any):
     """Return ``(state, hook)`` for algorithm ``name`` with ``options``.
 
@@ -126,6 +184,7 @@ def build_hook(name: str, process_group: dist.ProcessGroup | None = None, **opti
     return REGISTRY[name].build(process_group=process_group, **options)
 
 
-__all__ = ["REGISTRY", "Algorithm", "register", "build_hook", "HookState", "AllReduceState",
+__all__ = ["REGISTRY", "DEAR_ALGORITHMS", "Algorithm", "register", "build_hook", "wrap_ddp", "wrap_dear",
+           "bucket_cap_mb_for", "HookState", "AllReduceState",
            "FP16State", "CovapState", "CovapPlan", "CompressedState", "GravacState", "PowerSGDHookState",
            "allreduce_hook", "fp16_hook", "covap_hook", "compressed_hook", "gravac_hook", "powersgd_hook"]

@@ -45,8 +45,7 @@ class BenchConfig:
         self.validate()
 
     def validate(self) -> None:
-        from ..algorithms import REGISTRY
-        from ..train.parallel import DEAR_ALGORITHMS
+        from ..algorithms import DEAR_ALGORITHMS, REGISTRY
         from ..workloads import WORKLOADS
 
         if isinstance(self.algorithms, str):

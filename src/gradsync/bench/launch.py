@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,17 +11,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..comm.rendezvous import free_port
 from .config import BenchConfig
 
 
 class RankError(RuntimeError):
     """A rank exited with an error; the message carries the end of its output."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(cfg: BenchConfig, cluster: Any = None, module: str = "gradsync.bench.worker",
@@ -38,7 +32,7 @@ def run_ranks(cfg: BenchConfig, cluster: Any = None, module: str = "gradsync.ben
     with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
         cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
         cfg_path.write_text(cfg.to_json())
-        port = _free_port()
+        port = free_port()
         procs, logs = [], []
         for r in range(cfg.hosts):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(cfg.hosts), LOCAL_RANK="0",

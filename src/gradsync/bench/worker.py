@@ -29,7 +29,8 @@ from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
 from ..train.evaluate import evaluate
-from ..train.parallel import DEAR_ALGORITHMS, DataParallel
+from ..algorithms import DEAR_ALGORITHMS
+from ..train.parallel import DataParallel
 from ..workloads import get_workload
 from .config import BenchConfig
 

@@ -11,7 +11,6 @@ hooks in bucket order, so a bucket's time is also bounded by its predecessor's, 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
 import datetime
-import socket
 import statistics
 import time
 from typing import Any, Callable
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.rendezvous import free_port
 from ..validation import check_float, check_int
 
 SCHEMA = "gradsync-profile/1"
@@ -42,10 +42,7 @@ def _recording_hook(state: _ReadyRecorder, bucket: dist.GradBucket) -> torch.fut
 def _single_rank_group() -> bool:
     if dist.is_initialized():
         return False
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     return True
 

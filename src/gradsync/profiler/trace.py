@@ -52,11 +52,10 @@ def trace_rank(algorithm: str, model: torch.nn.Module, batches: list, loss_fn: A
     ``model`` under DDP + ``algorithm``'s hook; return this rank's trace events."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..algorithms import REGISTRY, build_hook
+    from ..algorithms import bucket_cap_mb_for, build_hook
 
     rank = dist.get_rank()
-    cap = 1e4 if REGISTRY[algorithm].single_bucket else bucket_cap_mb
-    ddp = DistributedDataParallel(model, bucket_cap_mb=cap)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb_for(algorithm, bucket_cap_mb))
     state, hook = build_hook(algorithm, model=model, **options)
     tracer = _Tracer(state, hook, rank)
     ddp.register_comm_hook(tracer, _traced_hook)
@@ -121,14 +120,13 @@ def run_trace(path: str | Path, algorithm: str, model: str, workers: int = 2, ba
               data_dir: str | None = None, **options: Any) -> Path:
     """Spawn ``workers`` local Gloo ranks, trace ``iterations`` steps of ``algorithm`` on ``model``
     and write the merged Chrome trace to ``path``."""
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ..comm.rendezvous import free_port
+
+    port = free_port()
     spec = {"algorithm": algorithm, "model": model, "batch_size": batch_size, "bucket_cap_mb": bucket_cap_mb,
             "iterations": iterations, "threads": threads, "data_dir": data_dir, "options": options}
     with tempfile.TemporaryDirectory(prefix="gradsync-trace-") as tmp:

@@ -53,9 +53,8 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
-        from ..algorithms import REGISTRY
+        from ..algorithms import DEAR_ALGORITHMS, REGISTRY
         from ..workloads import WORKLOADS
-        from .parallel import DEAR_ALGORITHMS
 
         check_choice("algorithm", self.algorithm, sorted([*REGISTRY, *DEAR_ALGORITHMS]))
         check_choice("workload", self.workload, sorted(WORKLOADS))

@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..comm.rendezvous import free_port
 from .config import TrainConfig
 
 
 def under_torchrun() -> bool:
     """True when the process was started by torchrun (or another launcher setting its variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _backend_and_device(cfg: TrainConfig, local_rank: int) -> tuple[str, torch.device]:
@@ -73,7 +67,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
                          int(os.environ.get("LOCAL_RANK", 0)), cfg)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    procs = mp.start_processes(_spawned, args=(cfg.workers, _free_port(), cfg, queue),
+    procs = mp.start_processes(_spawned, args=(cfg.workers, free_port(), cfg, queue),
                                nprocs=cfg.workers, join=False, start_method="spawn")
     # Read rank 0's result while waiting: a large result blocks its writer until it is read.
     result = None

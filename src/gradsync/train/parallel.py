@@ -7,9 +7,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
-from ..algorithms import REGISTRY, build_hook
+from ..algorithms import DEAR_ALGORITHMS, wrap_ddp, wrap_dear
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 
@@ -38,34 +37,21 @@ class DataParallel:
         self.name = name
         self.module = model
         self.wrapper: Any
-        self.grad_filter: Any = None
         if name in DEAR_ALGORITHMS:
-            from ..algorithms.dear import DeAR
-
             self.optimizer = make_optimizer(model.parameters())
-            grad_filter = None
-            if name == "dear-covap":
-                from ..algorithms.dear_covap import CovapGradFilter
-
-                ratio = options.get("ratio", 3)
-                grad_filter = CovapGradFilter(ratio=1 if ratio == "auto" else ratio)
-            self.wrapper = DeAR(model, self.optimizer, fusion_mb=fusion_mb, grad_filter=grad_filter,
-                                seed=options.get("seed", 0))
-            if grad_filter is not None:
-                grad_filter.bind(self.wrapper)
-            self.grad_filter = grad_filter
+            self.wrapper = wrap_dear(model, self.optimizer, name, fusion_mb=fusion_mb,
+                                     ratio=options.get("ratio", 3), seed=options.get("seed", 0))
             self.state = self.wrapper
         else:
-            if name not in REGISTRY:
-                known = sorted([*REGISTRY, *DEAR_ALGORITHMS])
-                raise ValueError(f"algorithm must be one of {', '.join(known)}; got {name!r}")
-            # PowerSGD's hook launches collectives from callbacks: on Gloo only one bucket is safe.
-            cap = 1e4 if REGISTRY[name].single_bucket else bucket_cap_mb
-            self.wrapper = DistributedDataParallel(
-                model, bucket_cap_mb=cap, device_ids=[device.index] if device is not None and device.type == "cuda" else None)
-            self.state, hook = build_hook(name, model=model, **options)
-            self.wrapper.register_comm_hook(self.state, hook)
+            self.wrapper, self.state = wrap_ddp(
+                model, name, bucket_cap_mb=bucket_cap_mb,
+                device_ids=[device.index] if device is not None and device.type == "cuda" else None, **options)
             self.optimizer = make_optimizer(self.wrapper.parameters())
+
+    @property
+    def grad_filter(self) -> Any:
+        """DeAR's ``grad_filter`` (COVAP's for ``dear-covap``), else ``None``."""
+        return getattr(self.wrapper, "grad_filter", None) if self.name in DEAR_ALGORITHMS else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.wrapper(x)
@@ -122,4 +108,3 @@ class DataParallel:
         return self.grad_filter
 
 
-DEAR_ALGORITHMS = ("dear", "dear-covap")
