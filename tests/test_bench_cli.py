@@ -26,7 +26,7 @@ def test_bench_smoke_reports_every_field(tmp_path):
     assert "gradsync bench" in proc.stdout and "loopback, NOT shaped" in proc.stdout
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["world_size"] == 2 and result["covap_ratio"] == 2
-    assert result["compute_only_s"] > 0 and result["dense_ccr"] > 0
+    assert result["compute_only_s"] > 0 and result["dense_ccr"] > 0 and result["dense_rs_ag_s"] > 0
     rows = {r["algorithm"]: r for r in result["rows"]}
     assert list(rows) == ["allreduce", "covap", "dear-covap"]
     for r in rows.values():

@@ -24,8 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.agreement import check_config_agreement
-from ..comm.collectives import all_gather_flat, reduce_scatter_flat
-from ..profiler.ccr import measure_ccr
+from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
 from ..train.evaluate import evaluate
@@ -64,22 +63,6 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "p10": q[0], "p90": q[-1], "mean": statistics.fmean(values)}
 
 
-def _time_rs_ag(numel: int, world: int, reps: int = 3) -> float:
-    """Median seconds of a blocking reduce-scatter followed by an all-gather of ``numel`` float32
-    elements (padded to a multiple of the world size): DeAR's pair, for calibrating the simulator."""
-    n = -(-numel // world) * world
-    full, shard = torch.zeros(n), torch.zeros(n // world)
-    times = []
-    for r in range(reps + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        reduce_scatter_flat(shard, full)
-        all_gather_flat(full, shard)
-        if r:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     """Benchmark ``cfg.algorithms`` on the initialised default group; rank 0 returns the results.
 
@@ -111,7 +94,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     ccr = measure_ccr(probe.bucket_numels(), compute0.backward_s)
     if options["ratio"] == "auto":
         options["ratio"] = ccr.ratio
-    rs_ag_s = _time_rs_ag(sum(probe.bucket_numels()), world)
+    rs_ag_s = time_dense_rs_ag(sum(probe.bucket_numels()))
 
     # A compute profile recorded with all ranks computing at once: gradsync simulate's input for
     # validating its prediction against this run.

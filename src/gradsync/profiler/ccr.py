@@ -11,12 +11,13 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.collectives import all_gather_flat, reduce_scatter_flat
 from ..validation import check_int
 
 
@@ -48,14 +49,38 @@ def time_dense_allreduce(
 ) -> float:
     """Median seconds of blocking float32 all-reduces of one tensor per bucket, one after another
     (no overlap). One untimed repetition warms the connections up."""
-    reps = check_int("reps", reps, 1)
     tensors = [torch.zeros(int(n)) for n in numels]
+
+    def run() -> None:
+        for t in tensors:
+            dist.all_reduce(t, group=group)
+
+    return _median_seconds(run, group, reps)
+
+
+def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: int = 3) -> float:
+    """Median seconds of a blocking reduce-scatter followed by an all-gather of ``numel`` float32
+    elements (padded to a multiple of the world size): DeAR's pair, for calibrating the simulator."""
+    world = dist.get_world_size(group)
+    n = -(-int(numel) // world) * world
+    full, shard = torch.zeros(n), torch.zeros(n // world)
+
+    def run() -> None:
+        reduce_scatter_flat(shard, full, group=group)
+        all_gather_flat(full, shard, group=group)
+
+    return _median_seconds(run, group, reps)
+
+
+def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, reps: int) -> float:
+    """Median wall-clock seconds of ``reps`` calls of ``run`` started together on every rank (a
+    barrier before each), after one untimed call that warms the connections up."""
+    reps = check_int("reps", reps, 1)
     times = []
     for r in range(reps + 1):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        for t in tensors:
-            dist.all_reduce(t, group=group)
+        run()
         if r:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
