@@ -51,9 +51,7 @@ def _release(dp: DataParallel) -> None:
 def _train_steps(dp: DataParallel, batches, loss_fn, times: list[float] | None) -> None:
     for x, y in batches:
         t0 = time.perf_counter()
-        dp.zero_grad()
-        loss_fn(dp(x), y).backward()
-        dp.step()
+        dp.train_step(x, y, loss_fn)
         if times is not None:
             times.append(time.perf_counter() - t0)
 
@@ -196,9 +194,7 @@ def _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimi
                 lo = ((steps + i) * cfg.batch_size) % (shard.numel() - cfg.batch_size)
                 idx = shard[lo:lo + cfg.batch_size]
                 t0 = time.perf_counter()
-                dp.zero_grad()
-                loss_fn(dp(train_x[idx]), train_y[idx]).backward()
-                dp.step()
+                dp.train_step(train_x[idx], train_y[idx], loss_fn)
                 elapsed += time.perf_counter() - t0
             steps += cfg.eval_every
             dp.flush()

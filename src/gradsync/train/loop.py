@@ -113,10 +113,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                 break
             xb, yb = workload.augment(xb.to(device)), yb.to(device)
             t0 = time.perf_counter()
-            dp.zero_grad()
-            loss = loss_fn(dp(xb), yb)
-            loss.backward()
-            dp.step()
+            loss = dp.train_step(xb, yb, loss_fn)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0

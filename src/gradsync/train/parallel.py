@@ -64,6 +64,16 @@ class DataParallel:
         else:
             self.optimizer.step()
 
+    def train_step(self, x: torch.Tensor, y: torch.Tensor,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One training iteration: clear gradients, forward, backward (gradients synchronised by the
+        algorithm), optimizer step. Returns the loss (a 0-d tensor)."""
+        self.zero_grad()
+        loss = loss_fn(self(x), y)
+        loss.backward()
+        self.step()
+        return loss
+
     def zero_grad(self) -> None:
         if self.name in DEAR_ALGORITHMS:
             self.wrapper.zero_grad(set_to_none=True)
