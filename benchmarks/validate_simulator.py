@@ -37,9 +37,10 @@ from gradsync.sim.simulator import load_profile, simulate
 
 def plan_for(algorithm: str, result: dict) -> str:
     """The simulator plan of a bench algorithm, with the same parameters as the bench run."""
-    cfg = result["config"]
-    return {"allreduce": "dense", "fp16": "fp16", "covap": f"covap:{result['covap_ratio']}",
-            "dear": "dear", "topk": f"topk:{cfg['density']}", "powersgd": f"powersgd:{cfg['powersgd_rank']}"}[algorithm]
+    opts = next(r["options"] for r in result["rows"] if r["algorithm"] == algorithm)
+    return {"allreduce": "dense", "fp16": "fp16", "covap": f"covap:{opts.get('ratio')}", "dear": "dear",
+            "topk": f"topk:{opts.get('density')}",
+            "powersgd": f"powersgd:{opts.get('matrix_approximation_rank')}"}[algorithm]
 
 
 def _scale_compute(profile: dict, compute_s: float):

@@ -119,7 +119,7 @@ def ef_mass(rank, world, steps):
         x, y = batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
         applied += flat_grad(model.module).double().sum()
-    totals = torch.stack([raw, state.feedback.total()])
+    totals = torch.stack([raw, state.filter.memory.total()])
     dist.all_reduce(totals)
     return float(applied), float(totals[0] / world), float(totals[1] / world)
 
@@ -168,11 +168,58 @@ def test_plan_rejects_bad_layout():
 def test_state_dict_and_pickle_round_trip():
     st = CovapState(ratio=4)
     st.iteration = 7
-    st.bucket_numels = {0: 10, 1: 30}
-    st.feedback.store(0, torch.arange(10.0))
+    st.layouts = {0: ((10,),), 1: ((30,),)}
+    st.filter.memory.store(0, torch.arange(10.0))
     clone = CovapState(ratio=2)
     clone.load_state_dict(st.state_dict())
-    assert clone.ratio == 4 and clone.iteration == 7 and clone.bucket_numels == {0: 10, 1: 30}
-    assert torch.equal(clone.feedback.residuals[0], torch.arange(10.0))
+    assert clone.ratio == 4 and clone.iteration == 7 and clone.layouts == {0: ((10,),), 1: ((30,),)}
+    assert torch.equal(clone.filter.memory.residuals[0], torch.arange(10.0))
     restored = pickle.loads(pickle.dumps(st))
-    assert restored.iteration == 7 and torch.equal(restored.feedback.residuals[0], torch.arange(10.0))
+    assert restored.iteration == 7 and torch.equal(restored.filter.memory.residuals[0], torch.arange(10.0))
+
+
+def restore_into_fresh_ddp(rank, world, steps_before, steps_after):
+    """Train, save the COVAP state, restore it into a fresh DDP (buckets not rebuilt yet) and go on."""
+    torch.manual_seed(0)
+    module = make_model()
+    ddp = DDP(module, bucket_cap_mb=0.001)
+    state = CovapState(ratio=4, model=module)
+    ddp.register_comm_hook(state, covap_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(steps_before):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    saved = state.state_dict()
+    residual_mass = float(state.filter.memory.total())
+
+    fresh = DDP(module, bucket_cap_mb=0.001)
+    restored = CovapState(ratio=4, model=module)
+    restored.load_state_dict(saved)
+    fresh.register_comm_hook(restored, covap_hook)
+    opt = torch.optim.SGD(fresh.parameters(), lr=0.05)
+    per_step = []
+    for step in range(steps_before, steps_before + steps_after):
+        before = restored.stats()["bytes_sent"]
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(rank, step)
+        nn.functional.cross_entropy(fresh(x), y).backward()
+        opt.step()
+        per_step.append(restored.stats()["bytes_sent"] - before)
+    params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    dense = sum(p.numel() for p in module.parameters()) * 4
+    return per_step, dense, params, residual_mass, restored.iteration
+
+
+def test_restored_state_waits_for_ddp_bucket_rebuild():
+    """A CovapState restored into a fresh DDP used to crash the first backward ('bucket layout
+    changed'); now the first iteration, before DDP rebuilds its buckets, is dense and compression
+    then resumes on the recorded layout with the saved residuals."""
+    r0, r1 = run_ranks(restore_into_fresh_ddp, 2, 5, 4, timeout=120)
+    per_step, dense, params, residual_mass, iteration = r0
+    assert residual_mass != 0.0, "residuals were saved"
+    assert per_step[0] == dense, "first iteration after restore: dense (DDP has not rebuilt its buckets)"
+    assert all(b < dense / 2 for b in per_step[1:]), f"compression resumed: {per_step} vs dense {dense}"
+    assert iteration == 9
+    assert torch.equal(params, r1[2]), "replicas identical"

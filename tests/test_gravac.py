@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from gradsync.algorithms.gravac import GravacController, GravacState, gravac_hook
+from gradsync.algorithms.gravac import GravacState, gravac_hook
+from gradsync.algorithms.gravac_controller import GravacController
 
 
 def _feed(ctrl, steps, ng=1.0, nmin=1.0, nc=1.0, tput=100.0, start=0):

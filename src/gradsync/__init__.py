@@ -1,30 +1,44 @@
 """gradsync: fast gradient synchronisation for data-parallel PyTorch training.
 
-Algorithms (COVAP, GraVAC, DeAR, OSCAR) are built on ``torch.distributed`` only and plug into
-``DistributedDataParallel`` as communication hooks (``ddp.register_comm_hook(state, hook)``).
+Algorithms (COVAP, GraVAC, DeAR, OSCAR and a compressor library) are built on ``torch.distributed``
+only. Communication-hook algorithms plug into ``DistributedDataParallel``
+(``ddp.register_comm_hook(*gradsync.algorithms.build_hook(name, ...))``); :func:`wrap` builds either
+kind around a bare module.
 """
 
 __version__ = "0.1.0"
 
 
-def wrap(model, optimizer, algorithm: str = "dear", process_group=None, **options):
-    """Wrap ``model`` for data-parallel training with ``algorithm``.
+def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_cap_mb: float = 25.0, **options):
+    """Wrap the bare module ``model`` for data-parallel training with ``algorithm``.
 
+    * communication-hook algorithms (``allreduce``, ``covap``, ``topk``, ...): returns a
+      ``DistributedDataParallel`` (buckets of ``bucket_cap_mb`` MB) with the hook registered; its state
+      is ``ddp.gradsync_state`` (``stats()``, ``state_dict()``); keep calling ``optimizer.step()``.
     * ``dear`` / ``dear-covap``: returns a :class:`gradsync.algorithms.dear.DeAR` wrapper; call
       ``wrapper.step()`` instead of ``optimizer.step()`` and ``wrapper.flush()`` before evaluation.
-      Options: ``fusion_mb`` (MB or ``"auto"``), ``ratio`` (dear-covap's K), and DeAR's keywords.
-    * any communication-hook algorithm (``allreduce``, ``covap``, ``topk``, ...): returns a
-      ``DistributedDataParallel`` with the hook registered; its state is ``ddp.gradsync_state``
-      (stats, ``state_dict``); keep calling ``optimizer.step()``. Option ``bucket_cap_mb`` goes to DDP,
-      the others to the algorithm (see ``gradsync.algorithms.REGISTRY``).
+
+    ``options`` are the algorithm's (``gradsync.algorithms.REGISTRY[algorithm].options``).
 
     Raises:
-        ValueError: for an unknown ``algorithm`` or options out of range.
+        ValueError: for an unknown ``algorithm``, an option it does not take or out of range, or a
+            ``model`` that is already wrapped (``DistributedDataParallel`` or DeAR).
     """
-    from .algorithms import DEAR_ALGORITHMS, wrap_ddp, wrap_dear
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
 
-    if algorithm in DEAR_ALGORITHMS:
-        return wrap_dear(model, optimizer, algorithm, process_group, **options)
-    ddp, state = wrap_ddp(model, algorithm, process_group, **options)
-    ddp.gradsync_state = state
-    return ddp
+    from .algorithms import build
+    from .algorithms.synchroniser import BuildContext, HookSynchroniser
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("model is already a DistributedDataParallel; pass the bare module (ddp.module) to "
+                         "gradsync.wrap, which builds DDP itself")
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    device = next(model.parameters()).device if any(True for _ in model.parameters()) else None
+    ctx = BuildContext(model=model, make_optimizer=lambda params: optimizer, process_group=process_group,
+                       bucket_cap_mb=bucket_cap_mb, device=device)
+    sync = build(algorithm, ctx, options)
+    if isinstance(sync, HookSynchroniser):
+        sync.wrapper.gradsync_state = sync.state
+    return sync.wrapper

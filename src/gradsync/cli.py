@@ -6,93 +6,44 @@ import argparse
 import sys
 
 
-def _ratio(value: str):
-    """A number or the word ``auto``."""
-    if value == "auto":
-        return value
-    number = float(value)
-    return int(number) if number.is_integer() else number
+def _add_algorithm_options(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """One flag per option of every registered algorithm (an option shared by several algorithms is
+    one flag); a flag not given leaves the algorithm's own default."""
+    from .algorithms import REGISTRY
+    from .options import add_arguments
+
+    group = p.add_argument_group("algorithm options (each applies to the algorithms that take it)")
+    seen: set[str] = set()
+    for spec in REGISTRY.values():
+        add_arguments(group, spec.options, use_defaults=False, seen=seen, defaults=defaults)
 
 
-def _add_algorithm_options(p: argparse.ArgumentParser, d) -> None:
-    """Options of the algorithms, shared by ``train`` and ``bench`` (defaults from config ``d``)."""
-    p.add_argument("--ratio", type=_ratio, default=d.ratio,
-                   help="COVAP compression ratio K in [1, 32], or 'auto' (K = ceil(measured CCR))")
-    p.add_argument("--density", type=float, default=d.density,
-                   help="kept fraction for topk, randomk, dgc, redsync, in (0, 1]")
-    p.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=d.error_feedback,
-                   help="error feedback for the compressor-library algorithms")
-    p.add_argument("--compressor", default=d.compressor, choices=["topk", "dgc", "redsync", "randomk"],
-                   help="GraVAC's sparsifier")
-    p.add_argument("--levels", type=int, default=d.levels, help="QSGD quantisation levels")
-    p.add_argument("--search-interval", type=int, default=None,
-                   help="GraVAC steps between compression-factor search boundaries (default: a quarter epoch)")
-    p.add_argument("--gain-floor", type=float, default=0.75,
-                   help="GraVAC epsilon: a compressor whose compression gain falls below it is not used")
-    p.add_argument("--plateau-tolerance", type=float, default=0.05,
-                   help="GraVAC omega: stop searching when the two best compression throughputs are this close")
-    p.add_argument("--rank", dest="powersgd_rank", type=int, default=d.powersgd_rank,
-                   help="PowerSGD matrix approximation rank")
-    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help="DDP bucket size (MB)")
-    p.add_argument("--fusion-mb", "--fusion", type=_ratio, default=d.fusion_mb,
-                   help="DeAR tensor-fusion threshold in MB, or 'auto' (Bayesian optimisation over 1-256 MB)")
+def _algorithm_values(args: argparse.Namespace) -> dict:
+    """The algorithm options given on the command line."""
+    from .algorithms import REGISTRY
+
+    keys = {k for spec in REGISTRY.values() for k in spec.options.keys()}
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from .algorithms import REGISTRY
+    from .options import add_arguments
     from .train.config import TrainConfig
-    from .algorithms import DEAR_ALGORITHMS
-    from .workloads import WORKLOADS
 
-    d = TrainConfig()
-    p = sub.add_parser("train", help="data-parallel training with a gradient-synchronisation algorithm",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--algorithm", default=d.algorithm, choices=sorted([*REGISTRY, *DEAR_ALGORITHMS]))
-    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
-    p.add_argument("--workers", type=int, default=d.workers,
-                   help="local ranks on 127.0.0.1 (ignored under torchrun, which sets the world size)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per worker")
-    p.add_argument("--epochs", type=int, default=None, help="default: the workload's (fashion-mnist 4, kjv-lstm 1)")
-    p.add_argument("--batch-size", type=int, default=None, help="per worker; default: the workload's (64, 32)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate of the one-cycle schedule; default: the workload's (0.1, 2.0)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    _add_algorithm_options(p, d)
-    p.add_argument("--data-dir", default=None,
-                   help="directory with the Fashion-MNIST idx files (default /usr/share/datasets/fashion-mnist)")
-    p.add_argument("--train-samples", type=int, default=None, help="train on the first N samples only")
-    p.add_argument("--checkpoint", default=None,
-                   help="directory; after every epoch each rank writes DIR/epochE/rankR.pt (model, optimizer, "
-                        "scheduler, error-feedback residuals and controller state)")
-    p.add_argument("--resume", default=None, help="continue from a DIR/epochE checkpoint directory")
-    p.add_argument("--out", default=None, help="write metrics.json and curves.png here")
-    p.add_argument("--timeout", type=float, default=d.timeout,
-                   help="seconds before a collective waiting on a dead peer fails")
-    p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"])
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p = sub.add_parser("train", help="data-parallel training with a gradient-synchronisation algorithm")
+    add_arguments(p, TrainConfig)
+    _add_algorithm_options(p)
     p.set_defaults(func=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .options import values_from_args
     from .report import print_summary, write_outputs
     from .train.config import TrainConfig
     from .train.launcher import launch
-
-    cfg = TrainConfig(
-        algorithm=args.algorithm, workload=args.workload, workers=args.workers, threads=args.threads,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        max_steps=args.max_steps, ratio=args.ratio, density=args.density,
-        error_feedback=args.error_feedback, compressor=args.compressor, levels=args.levels,
-        powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb, fusion_mb=args.fusion_mb,
-        search_interval=args.search_interval, gain_floor=args.gain_floor,
-        plateau_tolerance=args.plateau_tolerance, train_samples=args.train_samples,
-        checkpoint=args.checkpoint, resume=args.resume,
-        data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
-        progress=not args.no_progress,
-    )
     from .workloads import get_workload
 
+    cfg = TrainConfig(**values_from_args(TrainConfig, args), options=_algorithm_values(args))
     try:  # fail before spawning workers when the data is absent
         get_workload(cfg.workload).load(cfg.data_dir)
     except FileNotFoundError as exc:
@@ -110,13 +61,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     from .bench.config import BenchConfig
-    from .workloads import WORKLOADS
+    from .options import add_arguments
 
-    d = BenchConfig()
-    p = sub.add_parser("bench", help="several algorithms side by side on one (emulated) network",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--algorithms", default=",".join(d.algorithms), help="comma-separated algorithm names")
-    p.add_argument("--hosts", type=int, default=d.hosts, help="emulated hosts, one rank each")
+    p = sub.add_parser("bench", help="several algorithms side by side on one (emulated) network")
+    add_arguments(p, BenchConfig)
     p.add_argument("--bandwidth", default=None,
                    help="link rate in Mbit/s, or one rate per host separated by commas; "
                         "omitted: loopback, not shaped")
@@ -127,22 +75,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--burst", default="auto",
                    help="tbf bucket size (tc syntax, e.g. 32kb); auto: max(16kb, 4 ms at the link rate), "
                         "small enough that a burst does not hide the shaping of small gradients")
-    p.add_argument("--steps", type=int, default=d.steps, help="timed iterations per algorithm per round")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed iterations per algorithm per round")
-    p.add_argument("--rounds", type=int, default=d.rounds, help="interleaved rounds (A B C A B C ...)")
-    p.add_argument("--workload", default=d.workload, choices=sorted(WORKLOADS))
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per rank")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads per rank")
-    p.add_argument("--to-accuracy", type=float, default=None,
-                   help="also train each algorithm until this test accuracy (0-1) and report the time")
-    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between time-to-accuracy evaluations")
-    p.add_argument("--max-accuracy-steps", type=int, default=d.max_accuracy_steps,
-                   help="give up on --to-accuracy after this many steps")
-    p.add_argument("--seed", type=int, default=d.seed)
-    _add_algorithm_options(p, d)
-    p.add_argument("--data-dir", default=None)
-    p.add_argument("--timeout", type=float, default=d.timeout, help="process-group timeout (s)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
+    _add_algorithm_options(p, defaults={"ratio": "auto"})
     p.set_defaults(func=_bench)
 
 
@@ -152,22 +86,16 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.config import BenchConfig
     from .bench.launch import RankError, run_ranks
     from .bench.report import print_table, write_outputs
-    from .cluster.netns import BandwidthSchedule, EmulatedCluster
+    from .cluster import BandwidthSchedule, EmulatedCluster
+    from .options import values_from_args
 
     rates = None
     if args.bandwidth is not None:
         rates = [float(r) for r in str(args.bandwidth).split(",")]
         if len(rates) not in (1, args.hosts):
             raise ValueError(f"bandwidth must give one rate or {args.hosts} rates, got {len(rates)}")
-    cfg = BenchConfig(
-        algorithms=args.algorithms, hosts=args.hosts, bandwidth_mbit=rates[0] if rates else None,
-        steps=args.steps, warmup=args.warmup, rounds=args.rounds, workload=args.workload,
-        batch_size=args.batch_size, threads=args.threads, seed=args.seed, bucket_cap_mb=args.bucket_cap_mb,
-        fusion_mb=args.fusion_mb, ratio=args.ratio, density=args.density, error_feedback=args.error_feedback,
-        compressor=args.compressor, levels=args.levels, powersgd_rank=args.powersgd_rank,
-        search_interval=args.search_interval, gain_floor=args.gain_floor, plateau_tolerance=args.plateau_tolerance,
-        to_accuracy=args.to_accuracy, eval_every=args.eval_every, max_accuracy_steps=args.max_accuracy_steps,
-        timeout=args.timeout, data_dir=args.data_dir)
+    cfg = BenchConfig(**values_from_args(BenchConfig, args), bandwidth_mbit=rates[0] if rates else None,
+                      options=_algorithm_values(args))
     if rates is None:
         if args.latency is not None or args.bandwidth_schedule:
             raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")
@@ -218,7 +146,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="profile.json", help="profile JSON (input of gradsync simulate)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace of one iteration per rank here")
-    p.add_argument("--algorithm", default="allreduce", choices=sorted(REGISTRY), help="algorithm traced")
+    p.add_argument("--algorithm", default="allreduce", choices=sorted(n for n, a in REGISTRY.items() if a.make_hook),
+                   help="communication-hook algorithm traced")
     p.add_argument("--workers", type=int, default=2, help="ranks in the traced run")
     p.add_argument("--ratio", type=int, default=3, help="COVAP K in the traced run")
     p.set_defaults(func=_profile)
@@ -260,9 +189,12 @@ def _profile(args: argparse.Namespace) -> int:
     if args.trace:
         from .profiler.trace import run_trace
 
+        from .algorithms import get
+
+        options = {"ratio": args.ratio} if "ratio" in get(args.algorithm).options.keys() else {}
         path = run_trace(args.trace, args.algorithm, args.model, workers=args.workers,
                          batch_size=args.batch_size, bucket_cap_mb=args.bucket_cap_mb, threads=args.threads,
-                         data_dir=args.data_dir, ratio=args.ratio)
+                         data_dir=args.data_dir, **options)
         print(f"wrote {path} (open in chrome://tracing or ui.perfetto.dev)")
     return 0
 
@@ -274,7 +206,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--algorithms", default="dense,fp16,covap:4,topk:0.01,powersgd:4,dear",
                    help="plans: dense, fp16, covap:K, topk:density, powersgd:rank, dear")
     p.add_argument("--world-sizes", default="2,4,8,16,32,64,128,256")
-    p.add_argument("--bandwidths", default="1,10,25", help="link rates in Gbit/s")
+    p.add_argument("--bandwidths", default="1000,10000,25000", help="link rates in Mbit/s (the unit of bench and profile)")
     p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the profile's compute times (e.g. 0.02 for a GPU 50x faster than the CPU "
@@ -293,7 +225,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .sim.simulator import load_profile, plot_scaling, sweep
+    from .sim import load_profile, plot_scaling, sweep
     from .validation import check_float
 
     scale = check_float("compute_scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
@@ -305,7 +237,8 @@ def _simulate(args: argparse.Namespace) -> int:
     profile = load_profile(raw)
     plans = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     sizes = [int(w) for w in args.world_sizes.split(",")]
-    bws = [float(b) for b in args.bandwidths.split(",")]
+    mbits = [float(b) for b in args.bandwidths.split(",")]
+    bws = [b / 1000 for b in mbits]  # the cost model works in Gbit/s
     rows = sweep(profile, plans, sizes, bws, args.latency_us * 1e-6, args.overlap_efficiency)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -315,14 +248,14 @@ def _simulate(args: argparse.Namespace) -> int:
     names = list(dict.fromkeys(r["algorithm"] for r in rows))
     table = Table(title=(f"gradsync simulate: {profile.model}, {profile.total_bytes / 1e6:.1f} MB of gradients, "
                          f"compute {profile.compute_s * 1e3:.1f} ms/iter; cells: iteration ms (scaling efficiency)"))
-    table.add_column("Gbit/s", justify="right")
+    table.add_column("Mbit/s", justify="right")
     table.add_column("workers", justify="right")
     for n in names:
         table.add_column(n, justify="right")
     for bw in bws:
         for ws in sizes:
             cells = {r["algorithm"]: r for r in rows if r["bandwidth_gbps"] == bw and r["world_size"] == ws}
-            table.add_row(f"{bw:g}", str(ws), *[f"{cells[n]['iteration_s'] * 1e3:.1f} ({cells[n]['scaling_efficiency'] * 100:.0f}%)"
+            table.add_row(f"{bw * 1000:g}", str(ws), *[f"{cells[n]['iteration_s'] * 1e3:.1f} ({cells[n]['scaling_efficiency'] * 100:.0f}%)"
                                                for n in names])
     Console(width=max(120, 22 * len(names) + 20)).print(table)
     print(f"wrote {out / 'simulate.json'} and {out / 'scaling.png'}")

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from ..comm.sparse import dense_allreduce
+from ..comm.collectives import dense_allreduce
 from .base import HookState
+from .spec import NoOptions, hook_algorithm
 
 
 class AllReduceState(HookState):
@@ -43,3 +44,9 @@ def fp16_hook(state: FP16State, bucket: dist.GradBucket) -> torch.futures.Future
     state.bytes_sent += buf.numel() * 2
     state.end_bucket(bucket)
     return default_hooks.fp16_compress_hook(state.process_group, bucket)
+
+
+ALLREDUCE = hook_algorithm("allreduce", "dense all-reduce, bitwise equal to DDP's built-in reduction (PyTorch DDP)",
+                           NoOptions, lambda opts, ctx: (AllReduceState(ctx.process_group), allreduce_hook))
+FP16 = hook_algorithm("fp16", "torch's fp16_compress_hook: cast to float16, all-reduce, cast back",
+                      NoOptions, lambda opts, ctx: (FP16State(ctx.process_group), fp16_hook))

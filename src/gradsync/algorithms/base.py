@@ -67,6 +67,19 @@ class HookState:
         """Context manager adding the elapsed time to ``compress_seconds``."""
         return HookState._Timer(self)
 
+    # -- controller calls (see gradsync.algorithms.synchroniser) ----------------------------------
+    #: True when the algorithm chooses a setting from the measured CCR (then :meth:`calibrate` is called).
+    needs_ccr = False
+
+    def calibrate(self, ccr: float) -> dict[str, Any]:
+        """Receive the all-reduced CCR (identical on every rank); return what was chosen from it."""
+        return {}
+
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        """Receive the finished step's wall-clock ``seconds`` and this rank's ``samples``; return
+        per-step figures worth logging (none by default)."""
+        return {}
+
     # -- reporting and checkpoints ------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         """Cumulative counters: ``bytes_sent`` and ``dense_bytes`` (bytes), ``collectives``,

@@ -1,6 +1,7 @@
 """Generic compressed DDP communication hook: any compressor, optional error feedback, and the
 communicator the compressor's aggregation asks for (GRACE's compressor/memory/communicator split on
-torch's hook + State pattern, specs/peers.md §4).
+torch's hook + State pattern: Xu et al., "GRACE: A Compressed Communication Framework for Distributed
+Machine Learning", ICDCS 2021).
 
 Example::
 
@@ -14,13 +15,17 @@ Example::
 """
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.algorithms.base import HookState
-from gradsync.comm.sparse import communicate, dense_allreduce
+from gradsync.algorithms.spec import hook_algorithm
+from gradsync.comm.collectives import dense_allreduce
+from gradsync.options import Options, option
+from gradsync.comm.sparse import communicate
 from gradsync.compressors import Compressor, make_compressor
 from gradsync.feedback.residual import ResidualMemory, bucket_layout, parameter_names
 from gradsync.validation import check_int
@@ -132,6 +137,10 @@ class CompressedState(HookState):
 
         return count
 
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        """The density (fraction of elements sent) of the step that just finished."""
+        return {"density": self.last_step["density"]} if "density" in self.last_step else {}
+
     # -- reporting and checkpoints --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Cumulative counters of :meth:`HookState.stats` plus ``density`` (selected / compressed
@@ -209,3 +218,59 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
         return buf
 
     return fut.then(write_back)
+
+
+@dataclass(frozen=True)
+class FeedbackOptions(Options):
+    """Options of a compressor-library algorithm without a size knob (``signsgd``, ``bf16``)."""
+
+    error_feedback: bool = option(True, "error feedback: keep what compression dropped and add it to the "
+                                  "next gradient (Karimireddy et al., ICML 2019, arXiv 1901.09847)")
+
+
+@dataclass(frozen=True)
+class SparsifierOptions(FeedbackOptions):
+    """Options of ``topk``, ``randomk``, ``dgc``, ``redsync``."""
+
+    density: float = option(0.01, "kept fraction of gradient elements for sparsifiers", low=0.0, high=1.0,
+                            low_open=True)
+
+
+@dataclass(frozen=True)
+class QSGDOptions(FeedbackOptions):
+    """Options of ``qsgd``."""
+
+    levels: int = option(127, "QSGD quantisation levels per sign", low=1, high=32767)
+
+
+def _compressed(name: str, summary: str, options: type) -> Any:
+    def make_hook(opts: Any, ctx: Any) -> tuple:
+        kwargs: dict[str, Any] = {}
+        if isinstance(opts, SparsifierOptions):
+            kwargs["density"] = opts.density
+        if name == "dgc":
+            kwargs["warmup_steps"] = ctx.steps_per_epoch
+        if isinstance(opts, QSGDOptions):
+            kwargs["levels"] = opts.levels
+        state = CompressedState(name, error_feedback=opts.error_feedback, process_group=ctx.process_group,
+                                model=ctx.model, **kwargs)
+        return state, compressed_hook
+
+    return hook_algorithm(name, summary, options, make_hook)
+
+
+SPECS = (
+    _compressed("topk", "top-k sparsification, sparse all-gather (Aji & Heafield, EMNLP 2017, arXiv 1704.05021)",
+                SparsifierOptions),
+    _compressed("randomk", "random-k with a seed shared by all ranks, all-reduce (Stich et al., NeurIPS 2018, "
+                "arXiv 1809.07599)", SparsifierOptions),
+    _compressed("dgc", "DGC sampled threshold with density warm-up (Lin et al., ICLR 2018, arXiv 1712.01887)",
+                SparsifierOptions),
+    _compressed("redsync", "RedSync threshold binary search (Fang et al., JPDC 2019, arXiv 1808.04357)",
+                SparsifierOptions),
+    _compressed("qsgd", "QSGD stochastic quantisation (Alistarh et al., NeurIPS 2017, arXiv 1610.02132)",
+                QSGDOptions),
+    _compressed("signsgd", "EF-SignSGD scaled sign (Karimireddy et al., ICML 2019, arXiv 1901.09847)",
+                FeedbackOptions),
+    _compressed("bf16", "cast to bfloat16, all-reduce", FeedbackOptions),
+)

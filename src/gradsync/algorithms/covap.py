@@ -1,12 +1,11 @@
 """COVAP: overlapping-aware gradient compression with a coarse-grained filter.
 
 Source: Lin Meng, Yuzhong Sun, Weimin Li, "Near-Linear Scaling Data Parallel Training with
-Overlapping-Aware Gradient Compression", arXiv 2311.04499 (2023); the reference code calls it OGC.
-Restated from ``shared/specs/algorithms.md`` §1; the reference code's error-feedback aliasing bugs are
-not reproduced: this module implements the stated intent.
+Overlapping-Aware Gradient Compression", arXiv 2311.04499 (2023), §3; the reference code calls it
+OGC. Its error-feedback aliasing bugs are not reproduced: this module implements the stated intent.
 
-The filter is deterministic: it depends only on the iteration number and the static DDP bucket
-layout, so every rank selects the same elements and a plain all-reduce still works.
+The filter is deterministic: it depends only on the iteration number and the static bucket layout,
+so every rank selects the same elements and a plain all-reduce still works.
 
 * Tensor sharding: with ``m`` the median bucket numel, bucket ``b`` of numel ``n_b`` is cut into
   ``c_b = 1`` interleaved shards if ``floor(n_b / m - 0.3) <= 0``, else ``min(floor(n_b/m - 0.3) + 1, K)``;
@@ -15,109 +14,229 @@ layout, so every rank selects the same elements and a plain all-reduce still wor
   sent at iteration ``t`` iff ``(G + t) mod K == 0``, so each element is sent once every K iterations
   and at most one shard of a bucket is sent per iteration. A bucket with no selected shard launches no
   collective (DDP receives an already-completed future of zeros).
-* Discounted error feedback (:class:`~gradsync.feedback.discounted.DiscountedErrorFeedback`):
-  ``x = lambda_t e + g``; the selected shard of ``x`` is all-reduced (averaged), everything unsent
-  stays in ``e``. Unsent positions have zero gradient this step; momentum and weight decay still
-  apply (a deliberate choice, as in the reference code).
+* Discounted error feedback: ``x = lambda_t e + g`` (:class:`~gradsync.feedback.discounted.CovapDiscount`
+  as the schedule of a :class:`~gradsync.feedback.residual.ResidualMemory`); the selected shard of ``x``
+  is all-reduced (averaged), everything unsent stays in ``e``. Unsent positions have zero gradient this
+  step; momentum and weight decay still apply (a deliberate choice, as in the reference code).
+* K from the CCR: with ``ratio="auto"`` the synchroniser measures the communication-to-computation
+  ratio and :meth:`CovapFilter.calibrate` sets K = ceil(CCR) in [1, 32].
 * Compression starts at ``start_iter`` (default 2), after DDP's bucket rebuild, like PowerSGD's
-  ``start_powerSGD_iter``; bucket sizes are recorded during the dense iterations before it.
+  ``start_powerSGD_iter``; the bucket layout is recorded during the dense iterations before it. A
+  state restored from a checkpoint into a fresh DDP synchronises densely until DDP has rebuilt its
+  buckets into the recorded layout, then continues the schedule with its residuals.
+
+:class:`CovapFilter` (sharding, schedule, K and the residual memory) is the one object shared by the
+DDP hook here and DeAR's pipeline (:mod:`gradsync.algorithms.dear_covap`).
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
-from typing import Any
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from ..comm.sparse import dense_allreduce
-from ..compressors.covap_shards import MAX_RATIO, CovapPlan
-from ..feedback.discounted import DiscountedErrorFeedback, default_ramp
+from ..comm.collectives import dense_allreduce
+from ..compressors.covap_shards import MAX_RATIO, CovapPlan, ratio_for_ccr
+from ..feedback.discounted import CovapDiscount, default_ramp
+from ..feedback.residual import ResidualMemory, bucket_layout, parameter_names
+from ..options import AUTO, Options, option
 from ..validation import check_float, check_int
 from .base import HookState
+from .spec import hook_algorithm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CovapOptions(Options):
+    """Options of ``covap``."""
+
+    OWNER = "covap"
+    ratio: Union[int, str] = option(3, "COVAP compression ratio K: each gradient element is sent once every "
+                                    "K iterations; 'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
+
+
+class CovapFilter:
+    """COVAP's coarse-grained filter with discounted error feedback, for any bucket layout.
+
+    Args:
+        ratio: K in [1, 32] (1 reproduces dense all-reduce), or ``"auto"``: K = 1 until
+            :meth:`calibrate` receives the CCR.
+        lam0, ramp_steps: discount constants; ``None`` takes the reference values for K
+            (``lam0=0.5, D=50`` for K <= 8, else ``0.2, 100``).
+
+    Raises:
+        ValueError: for arguments outside those ranges.
+    """
+
+    def __init__(self, ratio: Union[int, str] = 3, lam0: Optional[float] = None,
+                 ramp_steps: Optional[int] = None):
+        self.auto = ratio == AUTO
+        self.ratio = 1 if self.auto else check_int("ratio", ratio, 1, MAX_RATIO)
+        self.calibrated = False
+        self._explicit_ramp = (None if lam0 is None else check_float("lam0", lam0, 0.0, 1.0),
+                               None if ramp_steps is None else check_int("ramp_steps", ramp_steps, 1))
+        self.memory = ResidualMemory(beta=CovapDiscount())
+        self._set_ramp()
+        self.plan: Optional[CovapPlan] = None
+
+    def _set_ramp(self) -> None:
+        lam0, steps = self._explicit_ramp
+        d_lam0, d_steps = default_ramp(self.ratio)
+        self.memory.beta.lam0 = d_lam0 if lam0 is None else lam0
+        self.memory.beta.ramp_steps = d_steps if steps is None else steps
+
+    @property
+    def discount(self) -> CovapDiscount:
+        return self.memory.beta
+
+    @property
+    def needs_ccr(self) -> bool:
+        return self.auto and not self.calibrated
+
+    def calibrate(self, ccr: float) -> dict[str, Any]:
+        """Set K = ceil(``ccr``) in [1, 32] (``ccr`` must be identical on every rank, e.g.
+        all-reduced MAX). Returns ``{"ccr": ccr, "ratio": K}``."""
+        self.set_ratio(ratio_for_ccr(ccr))
+        self.calibrated = True
+        return {"ccr": float(ccr), "ratio": self.ratio}
+
+    def set_ratio(self, ratio: int) -> None:
+        """Change K (every rank must pass the same value, between iterations); the plan is rebuilt for
+        the new K and the residuals are kept.
+
+        Raises:
+            ValueError: if ``ratio`` is outside [1, 32].
+        """
+        self.ratio = check_int("ratio", ratio, 1, MAX_RATIO)
+        self._set_ramp()
+        self.plan = None
+
+    def plan_for(self, numels: Sequence[int]) -> CovapPlan:
+        """The plan for bucket sizes ``numels`` (rebuilt when the sizes or K changed)."""
+        if self.plan is None or self.plan.numels != tuple(int(n) for n in numels):
+            self.plan = CovapPlan.build(list(numels), self.ratio)
+        return self.plan
+
+    def split(self, key: int, flat: torch.Tensor, iteration: int, ef_step: int,
+              layout: Any = None) -> Optional[Tuple[int, int, torch.Tensor]]:
+        """Error-compensate bucket ``key``'s flat gradient (1-D, ``plan.numels[key]`` elements, not
+        modified) and select this iteration's shard; the unsent rest becomes the residual.
+
+        Returns:
+            ``None`` if the bucket sends nothing at ``iteration``, else ``(shard, c, values)`` with
+            ``values = x[shard::c]`` (float32, ``ceil((n - shard) / c)`` elements, local and not yet
+            averaged) for ``c`` shards of the bucket.
+        """
+        x = self.memory.compensate(flat, key, layout, step=ef_step)
+        shard = self.plan.selected_shard(key, iteration)
+        if shard is None:
+            self.memory.store(key, x)
+            return None
+        c = self.plan.shards[key]
+        values = x[shard::c].clone()
+        x[shard::c] = 0
+        self.memory.store(key, x)
+        return shard, c, values
+
+    def config(self) -> dict[str, Any]:
+        return {"ratio": AUTO if self.needs_ccr else self.ratio, "lam0": self.discount.lam0,
+                "ramp_steps": self.discount.ramp_steps}
+
+    def stats(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "auto": self.auto, "calibrated": self.calibrated,
+                "memory": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.auto = bool(state["auto"])
+        self.set_ratio(int(state["ratio"]))
+        self.calibrated = bool(state["calibrated"])
+        self.memory.load_state_dict(state["memory"])
+
 
 class CovapState(HookState):
     """State of :func:`covap_hook`.
 
     Args:
-        ratio: K in [1, 32]; 1 reproduces dense all-reduce. ``set_ratio`` may change it before
-            compression starts (``--ratio auto`` measures the CCR first).
+        ratio: K in [1, 32] or ``"auto"`` (see :class:`CovapFilter`).
         process_group: group of the all-reduces (``None`` = default group).
         start_iter: first compressed iteration, >= 2 so DDP's bucket rebuild (after iteration 0)
             has happened and the layout was recorded in a dense iteration.
-        lam0, ramp_steps: discounted-EF constants; ``None`` takes the reference values for K
-            (``lam0=0.5, D=50`` for K <= 8, else ``0.2, 100``).
+        lam0, ramp_steps: discounted-EF constants (see :class:`CovapFilter`).
+        model: the module DDP wraps (optional): bucket layouts then name parameters, so residuals
+            follow parameters when a restored state meets a differently bucketed DDP.
+
+    Attributes:
+        filter: the :class:`CovapFilter`.
+        layouts: bucket index -> layout (parameter names and numels, or shapes) recorded during the
+            dense start-up iterations.
 
     Raises:
         ValueError: for arguments outside the ranges above.
     """
 
-    def __init__(
-        self,
-        ratio: int = 3,
-        process_group: dist.ProcessGroup | None = None,
-        start_iter: int = 2,
-        lam0: float | None = None,
-        ramp_steps: int | None = None,
-    ):
+    def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
+                 start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
+                 model: Optional[torch.nn.Module] = None):
         super().__init__(process_group)
-        self.ratio = check_int("ratio", ratio, 1, MAX_RATIO)
+        self.filter = CovapFilter(ratio, lam0, ramp_steps)
         self.start_iter = check_int("start_iter", start_iter, 2)
-        self._explicit_ramp = (lam0, ramp_steps)
-        d_lam0, d_steps = default_ramp(self.ratio)
-        self.feedback = DiscountedErrorFeedback(
-            d_lam0 if lam0 is None else check_float("lam0", lam0, 0.0, 1.0),
-            d_steps if ramp_steps is None else check_int("ramp_steps", ramp_steps, 1),
-        )
-        self.bucket_numels: dict[int, int] = {}
-        self.plan: CovapPlan | None = None
+        self.param_names = parameter_names(model) if model is not None else None
+        self.layouts: dict[int, Any] = {}
+        self._awaiting_rebuild = False
+
+    @property
+    def ratio(self) -> int:
+        return self.filter.ratio
+
+    @property
+    def needs_ccr(self) -> bool:
+        return self.filter.needs_ccr
+
+    def calibrate(self, ccr: float) -> dict[str, Any]:
+        return self.filter.calibrate(ccr)
 
     def set_ratio(self, ratio: int) -> None:
-        """Change K before compression has started (every rank must pass the same value).
+        """Change K between iterations (same value on every rank); residuals are kept."""
+        self.filter.set_ratio(ratio)
 
-        Raises:
-            ValueError: if ``ratio`` is outside [1, 32].
-            RuntimeError: if compression has already started.
-        """
-        ratio = check_int("ratio", ratio, 1, MAX_RATIO)
-        if self.plan is not None:
-            raise RuntimeError("set_ratio must be called before COVAP compression starts")
-        self.ratio = ratio
-        lam0, steps = self._explicit_ramp
-        d_lam0, d_steps = default_ramp(ratio)
-        self.feedback.lam0 = d_lam0 if lam0 is None else lam0
-        self.feedback.ramp_steps = d_steps if steps is None else steps
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        return {"ratio": float(self.filter.ratio)}
+
+    def layout_of(self, bucket: dist.GradBucket) -> Any:
+        return bucket_layout(bucket, self.param_names)
 
     def config(self) -> dict[str, Any]:
-        return {"algorithm": "covap", "ratio": self.ratio, "start_iter": self.start_iter,
-                "lam0": self.feedback.lam0, "ramp_steps": self.feedback.ramp_steps}
+        return {"algorithm": "covap", "start_iter": self.start_iter, **self.filter.config()}
 
-    def _plan(self) -> CovapPlan:
-        if self.plan is None:
-            n = len(self.bucket_numels)
-            if sorted(self.bucket_numels) != list(range(n)):
-                raise RuntimeError(f"COVAP saw bucket indices {sorted(self.bucket_numels)} during warm-up")
-            self.plan = CovapPlan.build([self.bucket_numels[i] for i in range(n)], self.ratio)
-        return self.plan
-
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         s = super().stats()
-        s["ratio"] = self.ratio
-        s["shards"] = list(self.plan.shards) if self.plan else []
-        compressed = max(0, self.iteration - self.start_iter)
-        s["ef_discount"] = self.feedback.discount(compressed)
+        s.update(self.filter.stats())
+        s["ef_discount"] = self.filter.discount(max(0, self.iteration - self.start_iter))
         return s
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "ratio": self.ratio, "bucket_numels": dict(self.bucket_numels),
-                "feedback": self.feedback.state_dict()}
+        return {**super().state_dict(), "layouts": dict(self.layouts), "filter": self.filter.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`. A fresh DDP has not rebuilt its buckets yet: until its
+        layout equals the recorded one, buckets are all-reduced densely (residuals kept)."""
         super().load_state_dict(state)
-        self.ratio = int(state["ratio"])
-        self.bucket_numels = {int(k): int(v) for k, v in state["bucket_numels"].items()}
-        self.plan = None
-        self.feedback.load_state_dict(state["feedback"])
+        self.layouts = {int(k): v for k, v in state["layouts"].items()}
+        self.filter.load_state_dict(state["filter"])
+        self._awaiting_rebuild = True
+
+
+def _completed(buf: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -128,41 +247,45 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     shard handed to ``all_reduce`` (``numel / c_b`` elements) or nothing for a dropped bucket.
 
     Raises:
-        RuntimeError: if a bucket's size differs from the layout recorded during warm-up.
+        RuntimeError: if the bucket layout differs from the one recorded during warm-up (other than
+            right after a restore, before DDP's bucket rebuild).
     """
     buf = bucket.buffer()
     index = bucket.index()
     t = state.iteration
     world = state.world_size
+    layout = state.layout_of(bucket)
     if t < state.start_iter:
-        state.bucket_numels[index] = buf.numel()
+        state.layouts[index] = layout
         fut = dense_allreduce(buf, state.process_group, state.count_collective)
         state.end_bucket(bucket)
         return fut
 
-    plan = state._plan()
-    if index >= len(plan.numels) or plan.numels[index] != buf.numel():
-        raise RuntimeError(
-            f"COVAP bucket {index} has {buf.numel()} elements but the warm-up layout recorded "
-            f"{plan.numels[index] if index < len(plan.numels) else 'none'}; bucket layout changed"
-        )
+    if state.layouts.get(index) != layout:
+        if not state._awaiting_rebuild:
+            raise RuntimeError(f"COVAP bucket {index} holds {buf.numel()} elements in a layout that differs "
+                               f"from the one recorded during warm-up; the bucket layout changed")
+        log.warning("COVAP: DDP has not rebuilt its buckets since the state was restored; bucket %d is "
+                    "all-reduced densely this iteration", index)
+        fut = dense_allreduce(buf, state.process_group, state.count_collective)
+        state.end_bucket(bucket)
+        return fut
+    if bucket.is_last():
+        state._awaiting_rebuild = False
+
+    n = len(state.layouts)
+    state.filter.plan_for([sum(_numels(state.layouts[i])) for i in range(n)])
     with state.compression_timer():
-        x = state.feedback.add(index, buf, t - state.start_iter)
-        shard = plan.selected_shard(index, t)
-        if shard is None:
-            state.feedback.store(index, x)
+        selected = state.filter.split(index, buf, t, t - state.start_iter)
+        if selected is None:
             buf.zero_()
         else:
-            c = plan.shards[index]
-            send = x[shard::c].div(world)
-            x[shard::c] = 0
-            state.feedback.store(index, x)
-    if shard is None:
+            shard, c, values = selected
+            send = values.div_(world)
+    if selected is None:
         state.buckets_skipped += 1
         state.end_bucket(bucket)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+        return _completed(buf)
 
     state.count_collective(send)
     state.end_bucket(bucket)
@@ -174,3 +297,25 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
         return buf
 
     return work.get_future().then(scatter_back)
+
+
+def _numels(layout: Any) -> list[int]:
+    """Element counts of the parameters in a bucket layout (named or shape tuples)."""
+    out = []
+    for item in layout:
+        if len(item) == 2 and isinstance(item[0], str):
+            out.append(int(item[1]))
+        else:
+            size = 1
+            for d in item:
+                size *= int(d)
+            out.append(size)
+    return out
+
+
+def _make_hook(opts: CovapOptions, ctx: Any) -> Tuple[CovapState, Any]:
+    return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model), covap_hook
+
+
+SPEC = hook_algorithm("covap", "COVAP coarse-grained filter, K from the measured CCR, discounted error feedback "
+                      "(Meng, Sun & Li, arXiv 2311.04499)", CovapOptions, _make_hook)

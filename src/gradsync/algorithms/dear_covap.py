@@ -1,12 +1,14 @@
 """COVAP's coarse-grained filter inside DeAR's reduce-scatter / all-gather pipeline ("dear-covap").
 
-No published system combines them: DeAR (Zhang et al., arXiv 2302.12445) overlaps the two halves of
-all-reduce with backward and the next forward; COVAP (Meng, Sun & Li, arXiv 2311.04499, see
-:mod:`gradsync.algorithms.covap`) sends each gradient element once every K iterations by a round-robin
-schedule over interleaved shards of each bucket. Here DeAR's fusion groups play the role of DDP's
-buckets: the median-group sharding rule and the schedule are the same, a dropped group launches no
-collective at all, and a sharded group reduce-scatters and all-gathers only its selected shard
-(:class:`~gradsync.algorithms.dear.StridedShard`). Discounted error feedback keeps what was not sent.
+No published system combines them: DeAR (Zhang et al., "DeAR: Accelerating Distributed Deep Learning
+with Fine-Grained All-Reduce Pipelining", arXiv 2302.12445) overlaps the two halves of all-reduce
+with backward and the next forward; COVAP (Meng, Sun & Li, arXiv 2311.04499, see
+:mod:`gradsync.algorithms.covap`) sends each gradient element once every K iterations by a
+round-robin schedule over interleaved shards of each bucket. Here DeAR's fusion groups play the role
+of DDP's buckets and the same :class:`~gradsync.algorithms.covap.CovapFilter` decides: a dropped group
+launches no collective at all, and a sharded group reduce-scatters and all-gathers only its selected
+shard (:class:`~gradsync.algorithms.dear.StridedShard`). Discounted error feedback keeps what was not
+sent.
 
 DeAR has no bucket rebuild, so compression starts at iteration 0. If the fusion tuner regroups
 (``fusion_mb="auto"``) the plan is rebuilt for the new groups and the residuals are dropped (logged).
@@ -15,14 +17,17 @@ DeAR has no bucket rebuild, so compression starts at iteration 0. If the fusion 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..feedback.discounted import DiscountedErrorFeedback, default_ramp
-from ..validation import check_int
-from ..compressors.covap_shards import MAX_RATIO, CovapPlan
+from ..compressors.covap_shards import MAX_RATIO
+from ..options import option
+from .covap import CovapFilter
 from .dear import StridedShard
+from .dear_options import DearOptions
+from .spec import wrapper_algorithm
 
 log = logging.getLogger(__name__)
 
@@ -31,16 +36,14 @@ class CovapGradFilter:
     """``grad_filter`` for :class:`~gradsync.algorithms.dear.DeAR` applying COVAP per fusion group.
 
     Args:
-        ratio: K in [1, 32] (1 = no compression).
+        ratio: K in [1, 32] (1 = no compression) or ``"auto"`` (K from :meth:`calibrate`).
 
     Raises:
         ValueError: if ``ratio`` is outside [1, 32].
     """
 
-    def __init__(self, ratio: int = 3):
-        self.ratio = check_int("ratio", ratio, 1, MAX_RATIO)
-        self.feedback = DiscountedErrorFeedback(*default_ramp(self.ratio))
-        self.plan: CovapPlan | None = None
+    def __init__(self, ratio: int | str = 3):
+        self.filter = CovapFilter(ratio)
         self._dear: Any = None
 
     def bind(self, dear: Any) -> "CovapGradFilter":
@@ -48,45 +51,66 @@ class CovapGradFilter:
         self._dear = dear
         return self
 
+    @property
+    def ratio(self) -> int:
+        return self.filter.ratio
+
+    @property
+    def plan(self) -> Any:
+        return self.filter.plan
+
+    @property
+    def needs_ccr(self) -> bool:
+        return self.filter.needs_ccr
+
+    def calibrate(self, ccr: float) -> dict[str, Any]:
+        return self.filter.calibrate(ccr)
+
     def set_ratio(self, ratio: int) -> None:
         """Change K (every rank must pass the same value); the plan is rebuilt and residuals kept."""
-        self.ratio = check_int("ratio", ratio, 1, MAX_RATIO)
-        self.feedback.lam0, self.feedback.ramp_steps = default_ramp(self.ratio)
-        self.plan = None
+        self.filter.set_ratio(ratio)
+
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        return {"ratio": float(self.filter.ratio)}
 
     def config(self) -> dict[str, Any]:
-        return {"covap_ratio": self.ratio, "lam0": self.feedback.lam0, "ramp_steps": self.feedback.ramp_steps}
+        return {"covap_" + k if k == "ratio" else k: v for k, v in self.filter.config().items()}
 
-    def _plan_for(self, group: int, numel: int) -> CovapPlan:
-        if self.plan is None or group >= len(self.plan.numels) or self.plan.numels[group] != numel:
-            if self.plan is not None:
-                log.warning("DeAR fusion groups changed; rebuilding the COVAP plan and dropping residuals")
-                self.feedback.residuals.clear()
-            self.plan = CovapPlan.build(list(self._dear.group_sizes()), self.ratio)
-        return self.plan
+    def stats(self) -> dict[str, Any]:
+        return self.filter.stats()
 
     def __call__(self, flat: torch.Tensor, step: int, group: int) -> Any:
         """Filter group ``group``'s flat gradient (1-D, ``numel`` elements) at iteration ``step``:
-        ``False`` (dropped this step), the full tensor (group of one shard), or a
+        ``False`` (dropped this step), the tensor to send (group of one shard), or a
         :class:`StridedShard` holding ``x[s::c]``."""
-        plan = self._plan_for(group, flat.numel())
-        x = self.feedback.add(group, flat, step)
-        shard = plan.selected_shard(group, step)
-        if shard is None:
-            self.feedback.store(group, x)
+        sizes = list(self._dear.group_sizes())
+        old = self.filter.plan
+        if old is not None and old.numels != tuple(sizes):
+            log.warning("DeAR fusion groups changed; rebuilding the COVAP plan and dropping residuals")
+            self.filter.memory.clear()
+        self.filter.plan_for(sizes)
+        selected = self.filter.split(group, flat, step, step)
+        if selected is None:
             return False
-        c = plan.shards[group]
-        if c == 1:
-            self.feedback.residuals.pop(group, None)
-            return x
-        values = x[shard::c].clone()
-        x[shard::c] = 0
-        self.feedback.store(group, x)
-        return StridedShard(shard, c, values)
+        shard, c, values = selected
+        return values if c == 1 else StridedShard(shard, c, values)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "feedback": self.feedback.state_dict()}
+        return self.filter.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.set_ratio(int(state["ratio"]))
-        self.feedback.load_state_dict(state["feedback"])
+        self.filter.load_state_dict(state)
+
+
+@dataclass(frozen=True)
+class DearCovapOptions(DearOptions):
+    """Options of ``dear-covap``."""
+
+    OWNER = "dear-covap"
+    ratio: int | str = option(3, "COVAP compression ratio K: each gradient element is sent once every K iterations; "
+                              "'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
+
+
+SPEC = wrapper_algorithm("dear-covap", "COVAP's filter inside DeAR's pipeline: only the selected shards are "
+                         "reduce-scattered and all-gathered (gradsync)", DearCovapOptions,
+                         lambda opts, ctx: CovapGradFilter(opts.ratio))

@@ -1,8 +1,8 @@
 """GraVAC: adaptive compression factor chosen from compression gain and throughput.
 
 Source: Tyagi & Swany, "GraVAC: Adaptive Compression for Communication-Efficient Distributed DL
-Training", IEEE CLOUD 2023 (arXiv 2305.12201), restated in specs/algorithms.md §2 from the reference
-code (sahiltyagi4/GraVAC), with its three bugs fixed:
+Training", IEEE CLOUD 2023 (arXiv 2305.12201), restated from the paper and the
+reference code (sahiltyagi4/GraVAC), with its three bugs fixed:
 
 1. the candidate kept fraction ``theta_c`` is scaled repeatedly (``theta_c *= step_factor`` at each
    search boundary), so the search really goes from 10x past 20x up to 10,000x;
@@ -40,220 +40,23 @@ step, which sends ``x``). This keeps the invariant "applied updates + residual =
 """
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from gradsync.algorithms.base import HookState
-from gradsync.comm.sparse import communicate, dense_allreduce
+from gradsync.algorithms.gravac_controller import GravacController
+from gradsync.algorithms.spec import hook_algorithm
+from gradsync.comm.collectives import dense_allreduce
+from gradsync.comm.sparse import communicate
 from gradsync.compressors import SparseCompressor, make_compressor
 from gradsync.feedback.residual import ResidualMemory, bucket_layout, parameter_names
+from gradsync.options import Options, option
 from gradsync.validation import check_choice, check_float, check_int
 
 GRAVAC_COMPRESSORS = ("topk", "dgc", "redsync", "randomk")
-BRANCHES = ("min", "candidate", "dense")
-
-
-class EWMA:
-    """Exponentially weighted moving average with a mean-of-first-``window`` start.
-
-    The first ``window`` samples are averaged arithmetically (no bias towards the initial value);
-    after that ``value = (1 - alpha) * value + alpha * sample``.
-    """
-
-    def __init__(self, alpha: float, window: int):
-        self.alpha = alpha
-        self.window = window
-        self.value: float | None = None
-        self.count = 0
-
-    def update(self, sample: float) -> float:
-        self.count += 1
-        if self.value is None:
-            self.value = float(sample)
-        elif self.count <= self.window:
-            self.value += (float(sample) - self.value) / self.count
-        else:
-            self.value = (1.0 - self.alpha) * self.value + self.alpha * float(sample)
-        return self.value
-
-    def reset(self) -> None:
-        self.value, self.count = None, 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"value": self.value, "count": self.count}
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        self.value, self.count = s["value"], int(s["count"])
-
-
-class GravacController:
-    """GraVAC's decision logic, free of communication: feed it rank-averaged statistics once per step.
-
-    Args:
-        theta_min: least compression as a kept fraction, in (0, 1] (0.1 = 10x).
-        theta_max: most compression as a kept fraction, in (0, theta_min] (1e-4 = 10,000x).
-        step_factor: multiplier of the candidate kept fraction at each search boundary, in (0, 1)
-            (0.5 doubles the compression factor: exponential search).
-        window: warm-up steps at ``theta_min`` and EWMA start window (reference 25).
-        alpha: EWMA smoothing factor, in (0, 1] (reference 0.05).
-        epsilon: gain floor, in (0, inf) (reference 0.75).
-        omega: plateau tolerance of the two best compression throughputs, relative, in [0, inf)
-            (reference 0.05).
-        search_interval: steps between search boundaries (>= 1; reference: one epoch).
-
-    Raises:
-        ValueError: on arguments outside the ranges above.
-    """
-
-    def __init__(
-        self,
-        theta_min: float = 0.1,
-        theta_max: float = 1e-4,
-        step_factor: float = 0.5,
-        window: int = 25,
-        alpha: float = 0.05,
-        epsilon: float = 0.75,
-        omega: float = 0.05,
-        search_interval: int = 200,
-    ):
-        self.theta_min = check_float("theta_min", theta_min, 0.0, 1.0, low_inclusive=False)
-        self.theta_max = check_float("theta_max", theta_max, 0.0, self.theta_min, low_inclusive=False)
-        self.step_factor = check_float("step_factor", step_factor, 0.0, 1.0, False, False)
-        self.window = check_int("window", window, 0, None)
-        self.alpha = check_float("alpha", alpha, 0.0, 1.0, low_inclusive=False)
-        self.epsilon = check_float("epsilon", epsilon, 0.0, None, low_inclusive=False)
-        self.omega = check_float("omega", omega, 0.0, None)
-        self.search_interval = check_int("search_interval", search_interval, 1, None)
-        self.ng = EWMA(self.alpha, self.window)
-        self.nmin = EWMA(self.alpha, self.window)
-        self.ng_c = EWMA(self.alpha, self.window)
-        self.nc = EWMA(self.alpha, self.window)
-        self.theta_c = self.theta_min
-        self.searching = True
-        self.ct: dict[float, list[float]] = {}  # kept fraction -> [sum of tput*gain, count]
-        self.branch = "min"  # branch for the next step
-        self.gain_min: float | None = None
-        self.gain_c: float | None = None
-        self._used: dict[int, tuple[float, float]] = {}  # step -> (kept fraction, gain) sent
-
-    # -- queries --------------------------------------------------------------------------------
-    @property
-    def candidate_active(self) -> bool:
-        """Whether the candidate compressor differs from ``theta_min`` (then it is evaluated each step)."""
-        return self.theta_c != self.theta_min
-
-    def kept_fraction(self, branch: str | None = None) -> float:
-        """Kept fraction of ``branch`` (default: the branch of the next step); 1.0 for dense."""
-        b = self.branch if branch is None else branch
-        return {"min": self.theta_min, "candidate": self.theta_c, "dense": 1.0}[b]
-
-    def compression_throughput(self) -> dict[float, float]:
-        """``CT``: kept fraction -> mean of samples/s x gain over the steps sent at it."""
-        return {cf: s / n for cf, (s, n) in self.ct.items() if n}
-
-    # -- update ---------------------------------------------------------------------------------
-    def update(
-        self,
-        step: int,
-        ng: float,
-        nmin: float,
-        nc: float | None = None,
-        tput_prev: float | None = None,
-        tput_cur: float | None = None,
-    ) -> str:
-        """Account step ``step`` and decide the branch of step ``step + 1``.
-
-        Args:
-            step: the step just finished (its branch was ``self.branch``).
-            ng: rank-averaged ``sum_b ||g_b||`` of the step.
-            nmin: rank-averaged ``sum_b ||C_theta_min(g_b + e_b)||``.
-            nc: same for the candidate (``None`` if it was not evaluated).
-            tput_prev: system throughput (samples/s, all ranks) of step ``step - 1``, if measured.
-            tput_cur: system throughput of step ``step``, if measured.
-
-        Returns:
-            The branch for step ``step + 1``: ``"min"``, ``"candidate"`` or ``"dense"``.
-        """
-        ng_v = self.ng.update(ng)
-        nmin_v = self.nmin.update(nmin)
-        self.gain_min = nmin_v / ng_v if ng_v > 0 else 1.0
-        if nc is not None:
-            ngc_v = self.ng_c.update(ng)
-            nc_v = self.nc.update(nc)
-            self.gain_c = nc_v / ngc_v if ngc_v > 0 else 1.0
-        gain_used = {"min": self.gain_min, "candidate": self.gain_c, "dense": 1.0}[self.branch]
-        self._used[step] = (self.kept_fraction(), 1.0 if gain_used is None else gain_used)
-        for s in list(self._used):
-            if s < step - 1:
-                del self._used[s]
-        if tput_prev is not None and (step - 1) in self._used:
-            self._record(*self._used[step - 1], tput_prev)
-        if tput_cur is not None:
-            self._record(*self._used[step], tput_cur)
-        nxt = step + 1
-        if nxt >= self.window and nxt % self.search_interval == 0:
-            self._search_boundary()
-        self.branch = self._decide(nxt)
-        return self.branch
-
-    def _record(self, cf: float, gain: float, tput: float) -> None:
-        entry = self.ct.setdefault(cf, [0.0, 0])
-        entry[0] += tput * gain
-        entry[1] += 1
-
-    def _set_candidate(self, theta: float) -> None:
-        if theta != self.theta_c:
-            self.theta_c = theta
-            self.ng_c.reset()
-            self.nc.reset()
-            self.gain_c = None
-
-    def _search_boundary(self) -> None:
-        if self.searching:
-            self._set_candidate(max(self.theta_c * self.step_factor, self.theta_max))
-        ct = self.compression_throughput()
-        if len(ct) >= 2:
-            (cf1, v1), (cf2, v2) = sorted(ct.items(), key=lambda kv: kv[1], reverse=True)[:2]
-            if v2 > 0 and abs(v1 - v2) / v2 < self.omega:
-                self.searching = False
-                self._set_candidate(min(cf1, cf2))
-
-    def _decide(self, step: int) -> str:
-        if step < self.window:
-            return "min"
-        if self.candidate_active and self.gain_c is not None and self.gain_c >= self.epsilon:
-            return "candidate"
-        if self.gain_min is not None and self.gain_min >= self.epsilon:
-            return "min"
-        return "dense"
-
-    # -- checkpoints ------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "ng": self.ng.state_dict(),
-            "nmin": self.nmin.state_dict(),
-            "ng_c": self.ng_c.state_dict(),
-            "nc": self.nc.state_dict(),
-            "theta_c": self.theta_c,
-            "searching": self.searching,
-            "ct": {cf: list(v) for cf, v in self.ct.items()},
-            "branch": self.branch,
-            "gain_min": self.gain_min,
-            "gain_c": self.gain_c,
-            "used": dict(self._used),
-        }
-
-    def load_state_dict(self, s: dict[str, Any]) -> None:
-        for name in ("ng", "nmin", "ng_c", "nc"):
-            getattr(self, name).load_state_dict(s[name])
-        self.theta_c = float(s["theta_c"])
-        self.searching = bool(s["searching"])
-        self.ct = {float(cf): list(v) for cf, v in s["ct"].items()}
-        self.branch = check_choice("branch", s["branch"], BRANCHES)
-        self.gain_min, self.gain_c = s["gain_min"], s["gain_c"]
-        self._used = {int(k): tuple(v) for k, v in s["used"].items()}
 
 
 class GravacState(HookState):
@@ -345,6 +148,12 @@ class GravacState(HookState):
         if self.iteration < self.start_iter:
             return 1.0
         return 1.0 / self.controller.kept_fraction()
+
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        """Record this rank's throughput ``samples / seconds`` for the step that just finished (see
+        :meth:`record_step`); returns the step's ``compression_factor`` and ``density``."""
+        self.record_step(samples / seconds)
+        return {k: self.last_step[k] for k in ("compression_factor", "density") if k in self.last_step}
 
     def record_step(self, samples_per_s: float) -> None:
         """Report this rank's throughput (samples/s, > 0) of the step that just finished.
@@ -550,3 +359,30 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
         return buf
 
     return fut.then(write_back)
+
+
+@dataclass(frozen=True)
+class GravacOptions(Options):
+    """Options of ``gravac``."""
+
+    OWNER = "gravac"
+    compressor: str = option("topk", "GraVAC's sparsifier", choices=GRAVAC_COMPRESSORS)
+    search_interval: Optional[int] = option(None, "steps between compression-factor search boundaries; "
+                                            "None: a quarter epoch", low=1, units="steps")
+    gain_floor: float = option(0.75, "epsilon: least compression gain a compressor may have", low=0.0,
+                               low_open=True)
+    plateau_tolerance: float = option(0.05, "omega: stop searching when the two best compression throughputs "
+                                      "are this close (relative)", low=0.0)
+
+
+def _make_hook(opts: GravacOptions, ctx: Any) -> tuple:
+    # The reference code searches once per epoch; a quarter epoch lets short runs explore 10x..10,000x.
+    interval = opts.search_interval or max(1, (ctx.steps_per_epoch or 200) // 4)
+    state = GravacState(compressor=opts.compressor, batch_size=ctx.batch_size, process_group=ctx.process_group,
+                        search_interval=interval, epsilon=opts.gain_floor, omega=opts.plateau_tolerance,
+                        model=ctx.model)
+    return state, gravac_hook
+
+
+SPEC = hook_algorithm("gravac", "GraVAC: compression factor adapted from the all-reduced compression gain and "
+                      "throughput (Tyagi & Swany, IEEE CLOUD 2023, arXiv 2305.12201)", GravacOptions, _make_hook)

@@ -2,8 +2,8 @@
 
 The compression itself is ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` unchanged
 (rank-r approximation ``M ~ P Q^T`` with two all-reduces, error feedback, warm start). On Gloo it
-works only with a single DDP bucket (its ``.then`` callbacks launch collectives; see
-``shared/specs/platform.md``), so the training loop builds DDP with one bucket for it.
+works only with a single DDP bucket (its ``.then`` callbacks launch collectives, which Gloo runs in a
+different order on different ranks when several buckets are in flight), so DDP gets one bucket for it.
 Bytes sent are read from torch's own element counters (``total_numel_after_compression``).
 """
 
@@ -14,15 +14,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+from dataclasses import dataclass
+
+from ..options import Options, option
 from ..validation import check_int
 from .base import HookState
+from .spec import hook_algorithm
+
+
+@dataclass(frozen=True)
+class PowerSGDOptions(Options):
+    """Options of ``powersgd``."""
+
+    OWNER = "powersgd"
+    matrix_approximation_rank: int = option(2, "PowerSGD matrix approximation rank r", low=1, high=64)
 
 
 class PowerSGDHookState(HookState):
     """gradsync state around a ``torch`` ``PowerSGDState``.
 
     Args:
-        rank: matrix approximation rank r in [1, 64].
+        matrix_approximation_rank: rank r of the approximation ``M ~ P Q^T``, in [1, 64].
         start_iter: dense all-reduce for the first ``start_iter`` iterations (>= 2).
         process_group: group of the all-reduces.
 
@@ -30,18 +42,19 @@ class PowerSGDHookState(HookState):
         ValueError: for arguments outside those ranges.
     """
 
-    def __init__(self, rank: int = 2, start_iter: int = 2, process_group: dist.ProcessGroup | None = None,
-                 seed: int = 0):
+    def __init__(self, matrix_approximation_rank: int = 2, start_iter: int = 2,
+                 process_group: dist.ProcessGroup | None = None, seed: int = 0):
         super().__init__(process_group)
-        self.rank = check_int("rank", rank, 1, 64)
+        self.matrix_approximation_rank = check_int("matrix_approximation_rank", matrix_approximation_rank, 1, 64)
         self.start_iter = check_int("start_iter", start_iter, 2)
         self.torch_state = torch_powersgd.PowerSGDState(
-            process_group=process_group, matrix_approximation_rank=self.rank,
+            process_group=process_group, matrix_approximation_rank=self.matrix_approximation_rank,
             start_powerSGD_iter=self.start_iter, use_error_feedback=True, warm_start=True,
             random_seed=seed)
 
     def config(self) -> dict[str, Any]:
-        return {"algorithm": "powersgd", "rank": self.rank, "start_iter": self.start_iter}
+        return {"algorithm": "powersgd", "matrix_approximation_rank": self.matrix_approximation_rank,
+                "start_iter": self.start_iter}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "torch_state": self.torch_state.__getstate__()}
@@ -64,3 +77,11 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     state.bytes_sent += (sent if sent else buf.numel()) * buf.element_size()
     state.end_bucket(bucket)
     return fut
+
+
+SPEC = hook_algorithm(
+    "powersgd", "torch's PowerSGD hook with error feedback, one DDP bucket on Gloo (Vogels, Karimireddy & "
+    "Jaggi, NeurIPS 2019, arXiv 1905.13727)", PowerSGDOptions,
+    lambda opts, ctx: (PowerSGDHookState(opts.matrix_approximation_rank, process_group=ctx.process_group,
+                                         seed=ctx.seed), powersgd_hook),
+    single_bucket=True)

@@ -20,8 +20,10 @@ def print_table(result: dict[str, Any], label: str) -> None:
     table = Table(title=f"gradsync bench: {result['world_size']} ranks, {label}",
                   caption=(f"compute-only {result['compute_only_s'] * 1e3:.1f} ms/iter (all ranks at once); "
                            f"dense all-reduce {result['dense_allreduce_s'] * 1e3:.1f} ms, "
-                           f"CCR {result['dense_ccr']:.2f}; COVAP K = {result['covap_ratio']}; "
-                           f"{cfg['rounds']} rounds x {cfg['steps']} steps, interleaved"))
+                           f"CCR {result['dense_ccr']:.2f}; "
+                           + "".join(f"{n}: {', '.join(f'{k} = {v}' for k, v in c.items() if k != 'ccr')}; "
+                                     for n, c in result["chosen_from_ccr"].items())
+                           + f"{cfg['rounds']} rounds x {cfg['steps']} steps, interleaved"))
     for col in ("algorithm", "median ms", "p10-p90 ms", "speedup", "scaling eff.", "exposed comm ms",
                 "compress ms", "bytes/iter"):
         table.add_column(col, justify="left" if col == "algorithm" else "right")

@@ -28,8 +28,7 @@ from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
 from ..train.evaluate import evaluate
-from ..algorithms import DEAR_ALGORITHMS
-from ..train.parallel import DataParallel
+from ..algorithms import BuildContext, Synchroniser, build
 from ..workloads import get_workload
 from .config import BenchConfig
 
@@ -40,15 +39,7 @@ def _batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int, n: int, ba
     return [(x[idx[i * batch:(i + 1) * batch]], y[idx[i * batch:(i + 1) * batch]]) for i in range(n)]
 
 
-def _release(dp: DataParallel) -> None:
-    """Remove DeAR's hooks and process groups so the next algorithm starts clean."""
-    if dp.name in DEAR_ALGORITHMS:
-        dp.wrapper.remove_hooks()
-        for g in (dp.wrapper.rs_group, dp.wrapper.ag_group):
-            dist.destroy_process_group(g)
-
-
-def _train_steps(dp: DataParallel, batches, loss_fn, times: list[float] | None) -> None:
+def _train_steps(dp: Synchroniser, batches, loss_fn, times: list[float] | None) -> None:
     for x, y in batches:
         t0 = time.perf_counter()
         dp.train_step(x, y, loss_fn)
@@ -83,15 +74,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     def make_optimizer(params):
         return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
 
-    options = cfg.algorithm_options()
-    # Dense all-reduce CCR on this network: K for COVAP's "auto" and a figure for the report.
+    def make(name: str) -> Synchroniser:
+        """A fresh copy of the model under algorithm ``name``, calibrated with this run's CCR."""
+        ctx = BuildContext(model=copy.deepcopy(model0), make_optimizer=make_optimizer,
+                           bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed, batch_size=cfg.batch_size)
+        dp = build(name, ctx, cfg.algorithm_options(name))
+        if dp.needs_ccr:
+            chosen[name] = dp.calibrate(ccr.ccr)
+        return dp
+
+    # Dense all-reduce CCR on this network: what "auto" settings are chosen from, and a report figure.
+    chosen: dict[str, dict[str, Any]] = {}
     dist.barrier()
     compute0 = time_compute(model0, batches, loss_fn, make_optimizer, steps=5)
-    probe = DataParallel("allreduce", copy.deepcopy(model0), make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb)
+    probe = build("allreduce", BuildContext(model=copy.deepcopy(model0), make_optimizer=make_optimizer,
+                                            bucket_cap_mb=cfg.bucket_cap_mb))
     probe.warm_up(batches[:2], loss_fn)
     ccr = measure_ccr(probe.bucket_numels(), compute0.backward_s)
-    if options["ratio"] == "auto":
-        options["ratio"] = ccr.ratio
     rs_ag_s = time_dense_rs_ag(sum(probe.bucket_numels()))
 
     # A compute profile recorded with all ranks computing at once: gradsync simulate's input for
@@ -111,15 +110,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         compute_steps.append(t.step_s + t.optimizer_s)
         for name in cfg.algorithms:
             dist.barrier()
-            dp = DataParallel(name, copy.deepcopy(model0), make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
-                              fusion_mb=cfg.fusion_mb, **options)
+            dp = make(name)
             dp.warm_up(batches[:2], loss_fn)
             _train_steps(dp, batches[2:2 + cfg.warmup], loss_fn, None)
-            s0 = dp.state.stats()
+            s0 = dp.stats()
             times: list[float] = []
             _train_steps(dp, batches[2 + cfg.warmup:], loss_fn, times)
             dp.flush()
-            s1 = dp.state.stats()
+            s1 = dp.stats()
             rec = records[name]
             rec["iter_s"].extend(times)
             n = len(times)
@@ -130,10 +128,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             if rank == 0:
                 print(f"round {rnd + 1}/{cfg.rounds} {name}: median {statistics.median(times) * 1e3:.1f} ms",
                       flush=True)
-            _release(dp)
+            dp.close()
 
-    accuracy = _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimizer, loss_fn,
-                                 options) if cfg.to_accuracy else {}
+    accuracy = _time_to_accuracy(cfg, make, train_x, train_y, test_x, test_y, loss_fn) if cfg.to_accuracy else {}
     if rank != 0:
         return None
     compute_s = statistics.median(compute_steps)
@@ -153,6 +150,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             "exposed_comm_s": max(0.0, it["median"] - compute_s - compress),
             "compression_overhead_s": compress,
             "bytes_per_iteration": statistics.median(rec["bytes"]),
+            "options": {**cfg.algorithm_options(name).to_dict(), **{
+                k: v for k, v in chosen.get(name, {}).items() if k != "ccr"}},
             "rs_wait_s": statistics.median(rec["rs_wait_s"]),
             "ag_wait_s": statistics.median(rec["ag_wait_s"]),
             "iteration_samples_s": rec["iter_s"],
@@ -168,13 +167,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         "dense_allreduce_s": ccr.allreduce_s,
         "dense_ccr": ccr.ccr,
         "dense_rs_ag_s": rs_ag_s,
-        "covap_ratio": options["ratio"],
+        "chosen_from_ccr": chosen,
         "rows": rows,
         "profile": profile,
     }
 
 
-def _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimizer, loss_fn, options):
+def _time_to_accuracy(cfg, make, train_x, train_y, test_x, test_y, loss_fn):
     """Train each algorithm from the same start until ``cfg.to_accuracy`` on a 2,000-sample test
     subset (evaluated every ``eval_every`` steps, evaluation time excluded). Returns per algorithm
     ``{"seconds": float | None, "steps": int, "curve": [(train_seconds, accuracy), ...]}``."""
@@ -184,8 +183,7 @@ def _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimi
     g = torch.Generator().manual_seed(cfg.seed + 17)
     for name in cfg.algorithms:
         dist.barrier()
-        dp = DataParallel(name, copy.deepcopy(model0), make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
-                          fusion_mb=cfg.fusion_mb, **options)
+        dp = make(name)
         perm = torch.randperm(train_x.shape[0], generator=g)
         shard = perm[rank::world]
         elapsed, steps, curve, reached = 0.0, 0, [], None
@@ -203,7 +201,7 @@ def _time_to_accuracy(cfg, model0, train_x, train_y, test_x, test_y, make_optimi
             if acc >= cfg.to_accuracy:
                 reached = elapsed
         out[name] = {"seconds": reached, "steps": steps, "curve": curve}
-        _release(dp)
+        dp.close()
     return out
 
 

@@ -1,5 +1,5 @@
 """Communicators for compressed payloads over ``torch.distributed`` (GRACE's ``Allreduce`` and
-``Allgather`` communicators, specs/peers.md §4b).
+``Allgather`` communicators; Xu et al., ICDCS 2021).
 
 * :func:`allreduce_payload`: every payload tensor has the same shape on every rank and is linear; each
   is divided by the world size and summed with one all-reduce per tensor.
@@ -11,7 +11,8 @@
   averaged dense tensor ``(1/P) * sum_r decompress(payload_r)``.
 
 All collectives are *issued* in the calling thread, in call order (safe to call from a DDP comm hook
-body, never from a ``Future.then`` callback, see specs/platform.md). The returned futures' callbacks
+body, never from a ``Future.then`` callback: Gloo runs callbacks on its own threads in an order that differs
+between ranks). The returned futures' callbacks
 only unpack and decompress locally.
 """
 
@@ -165,14 +166,4 @@ def communicate(
     raise ValueError(f"compressor aggregation must be allreduce or allgather, got {compressor.aggregation!r}")
 
 
-def dense_allreduce(
-    x: torch.Tensor, group: dist.ProcessGroup | None = None, counter: Counter | None = None
-) -> torch.futures.Future:
-    """Average ``x`` over ranks in place (``x /= P`` then all-reduce SUM); future of ``x``."""
-    x.div_(dist.get_world_size(group))
-    if counter is not None:
-        counter(x)
-    return dist.all_reduce(x, group=group, async_op=True).get_future().then(lambda _: x)
-
-
-__all__: Sequence[str] = ["allgather_payload", "allreduce_payload", "communicate", "dense_allreduce"]
+__all__: Sequence[str] = ["allgather_payload", "allreduce_payload", "communicate"]

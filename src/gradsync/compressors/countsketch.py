@@ -2,8 +2,7 @@
 
 Source: the count sketch of Charikar, Chen and Farach-Colton (2002, "Finding frequent items in data
 streams"), as used for gradients by Sketched-SGD (Ivkin et al. 2019) and FetchSGD (Rothchild et al.
-2020). Written from the description of those papers (restated in ``specs/algorithms.md`` §4); no code
-was copied.
+2020). Written from the description of those papers; no code was copied.
 
 A sketch of a vector ``x`` (length ``n``) is an ``rows x cols`` float32 table. For row ``j``:
 

@@ -1,5 +1,6 @@
 """COVAP's coarse-grained filter layout: tensor sharding by the median-bucket rule and the
-round-robin send schedule (Meng, Sun & Li 2023, arXiv 2311.04499; ``shared/specs/algorithms.md`` §1).
+round-robin send schedule, and the rule that matches K to the CCR (Meng, Sun & Li, "Near-Linear Scaling
+Data Parallel Training with Overlapping-Aware Gradient Compression", arXiv 2311.04499, §3).
 
 Pure arithmetic on bucket sizes and the iteration number, with no tensors and no communication, so
 the DDP hook (:mod:`gradsync.algorithms.covap`), DeAR's filter and the simulator share one rule.
@@ -16,6 +17,15 @@ from ..validation import check_int
 
 MAX_RATIO = 32
 CUT_OFFSET = 0.3  # the reference code's offset in the median-bucket rule
+
+
+def ratio_for_ccr(ccr: float, max_ratio: int = MAX_RATIO) -> int:
+    """COVAP's compression ratio for a communication-to-computation ratio: K = ceil(CCR) clipped to
+    [1, ``max_ratio``] (an infinite or NaN CCR gives ``max_ratio``), so the compressed all-reduce
+    takes about as long as the backward pass it overlaps."""
+    if not math.isfinite(ccr):
+        return max_ratio
+    return max(1, min(max_ratio, math.ceil(ccr - 1e-9)))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ ICLR 2018): threshold estimated from a random sample (§3.1 and the DGC code's s
 number selected is near k, with DGC's warm-up of the density (§3.4 "warm-up training": sparsity
 75%, 93.75%, 98.4375%, 99.6% over the first epochs, then the target).
 
-The threshold adjustment follows the GraVAC reference (specs/algorithms.md §2): up to 10 times,
+The threshold adjustment follows the GraVAC reference code (Tyagi & Swany, arXiv 2305.12201): up to 10 times,
 multiply the threshold by 1.3 if more than 1.3k entries are selected, by 0.7 if fewer than 0.7k.
 """
 

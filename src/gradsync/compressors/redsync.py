@@ -1,6 +1,6 @@
 """RedSync's threshold search (Fang, Fu, Yang & Wang, "RedSync: Reducing Synchronization Bandwidth for
 Distributed Deep Learning Training System", JPDC 2019, §4 "trimmed top-k"/binary-search selection),
-as used by the GraVAC reference (specs/algorithms.md §2)."""
+as used by the GraVAC reference code (Tyagi & Swany, arXiv 2305.12201)."""
 
 from __future__ import annotations
 

@@ -21,12 +21,15 @@ logger = logging.getLogger(__name__)
 class ResidualMemory:
     """Residual memory keyed by a stable id (the DDP bucket index).
 
-    ``compensate(g, key)`` returns ``x = beta * e[key] + gamma * g``; after compressing ``x``,
-    ``update(key, x, decompressed)`` stores ``e[key] = x - decompressed``. With beta = gamma = 1 the
-    gradient mass is conserved: sum of applied (decompressed) updates + residual = sum of gradients.
+    ``compensate(g, key, step=t)`` returns ``x = beta_t * e[key] + gamma * g``; after compressing ``x``,
+    ``update(key, x, decompressed)`` stores ``e[key] = x - decompressed`` (or ``store(key, r)`` stores a
+    residual the caller computed). With beta = gamma = 1 the gradient mass is conserved: sum of
+    applied (decompressed) updates + residual = sum of gradients.
 
     Args:
-        beta: weight of the stored residual, in [0, 1] (1 = standard EF).
+        beta: weight of the stored residual, in [0, 1] (1 = standard EF), or a discount schedule
+            ``beta(step) -> float`` with ``state_dict``/``load_state_dict`` (COVAP's
+            :class:`~gradsync.feedback.discounted.CovapDiscount`).
         gamma: weight of the new gradient, in (0, inf) (1 = standard EF).
 
     Bucket layouts change: DDP rebuilds its buckets after the first iteration, and a resumed run's
@@ -43,14 +46,14 @@ class ResidualMemory:
         ValueError: if ``beta`` or ``gamma`` is out of range.
     """
 
-    def __init__(self, beta: float = 1.0, gamma: float = 1.0):
-        self.beta = check_float("beta", beta, 0.0, 1.0)
+    def __init__(self, beta: Any = 1.0, gamma: float = 1.0):
+        self.beta = beta if callable(beta) else check_float("beta", beta, 0.0, 1.0)
         self.gamma = check_float("gamma", gamma, 0.0, None, low_inclusive=False)
         self.residuals: dict[int, torch.Tensor] = {}
         self.layouts: dict[int, Any] = {}
         self._pool: dict[str, torch.Tensor] = {}  # per-parameter residuals awaiting re-assembly
 
-    def compensate(self, g: torch.Tensor, key: int, layout: Any = None) -> torch.Tensor:
+    def compensate(self, g: torch.Tensor, key: int, layout: Any = None, step: int = 0) -> torch.Tensor:
         """Return the new tensor ``beta * e[key] + gamma * g`` (1-D float32 like ``g``; ``g`` untouched).
 
         Args:
@@ -58,6 +61,7 @@ class ResidualMemory:
             key: stable id (bucket index).
             layout: optional picklable description of what ``g`` holds (e.g. a tuple of parameter
                 shapes); a residual saved under a different layout is dropped.
+            step: the step given to a ``beta`` schedule (ignored for a constant ``beta``).
         """
         e = self.residuals.get(key)
         changed = layout is not None and self.layouts.get(key, layout) != layout
@@ -78,7 +82,7 @@ class ResidualMemory:
             self.layouts[key] = layout
         x = g.to(torch.float32, copy=True) if self.gamma == 1.0 else g.to(torch.float32) * self.gamma
         if e is not None:
-            x.add_(e, alpha=self.beta)
+            x.add_(e, alpha=self.beta(step) if callable(self.beta) else self.beta)
         return x
 
     def _to_pool(self) -> None:
@@ -107,6 +111,17 @@ class ResidualMemory:
     def update(self, key: int, x: torch.Tensor, decompressed: torch.Tensor) -> None:
         """Store ``e[key] = x - decompressed`` (both 1-D float32 of the same size)."""
         self.residuals[key] = x - decompressed
+
+    def store(self, key: int, residual: torch.Tensor) -> None:
+        """Keep ``residual`` (1-D float32: what was not sent this step) as ``e[key]``."""
+        self.residuals[key] = residual
+
+    def total(self) -> torch.Tensor:
+        """Sum of all residual elements (float64 scalar), for mass-conservation checks."""
+        tensors = list(self.residuals.values()) + list(self._pool.values())
+        if not tensors:
+            return torch.zeros((), dtype=torch.float64)
+        return sum(e.double().sum() for e in tensors)
 
     def clear(self, key: int | None = None) -> None:
         """Forget the residual of ``key`` (or all residuals)."""
@@ -147,7 +162,7 @@ class ResidualMemory:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "beta": self.beta,
+            "beta": self.beta.state_dict() if callable(self.beta) else self.beta,
             "gamma": self.gamma,
             "residuals": {k: v.clone() for k, v in self.residuals.items()},
             "layouts": dict(self.layouts),
@@ -155,7 +170,10 @@ class ResidualMemory:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.beta = check_float("beta", state["beta"], 0.0, 1.0)
+        if callable(self.beta):
+            self.beta.load_state_dict(state["beta"])
+        else:
+            self.beta = check_float("beta", state["beta"], 0.0, 1.0)
         self.gamma = check_float("gamma", state["gamma"], 0.0, None, low_inclusive=False)
         self.residuals = {int(k): v.clone() for k, v in state["residuals"].items()}
         self.layouts = {int(k): v for k, v in state.get("layouts", {}).items()}

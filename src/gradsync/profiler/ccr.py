@@ -1,13 +1,11 @@
-"""Communication-to-computation ratio (CCR), as COVAP uses it to choose its compression ratio.
-
-COVAP (Meng, Sun & Li 2023, arXiv 2311.04499) sets K to the CCR: the time of a dense all-reduce of
-every bucket *without overlap* divided by the backward compute time; K = ceil(CCR) clipped to
-[1, 32]. Every rank measures locally and the CCR is all-reduced with MAX, so all ranks get the same K.
+"""Communication-to-computation ratio (CCR): the time of a dense all-reduce of every bucket *without
+overlap* divided by the backward compute time (Meng, Sun & Li 2023, arXiv 2311.04499, §3). Every rank
+measures locally and the CCR is all-reduced with MAX, so every rank gets the same value; algorithms
+that choose a setting from it (COVAP's K) receive it through ``Synchroniser.calibrate``.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -23,13 +21,12 @@ from ..validation import check_int
 
 @dataclass(frozen=True)
 class CCRMeasurement:
-    """Result of :func:`measure_ccr`: ``allreduce_s`` and ``backward_s`` (seconds, this rank),
-    ``ccr`` (all-reduced MAX over ranks) and ``ratio`` = clip(ceil(ccr), 1, 32)."""
+    """Result of :func:`measure_ccr`: ``allreduce_s`` and ``backward_s`` (seconds, this rank) and
+    ``ccr`` (all-reduced MAX over ranks)."""
 
     allreduce_s: float
     backward_s: float
     ccr: float
-    ratio: int
 
 
 def ddp_bucket_numels(ddp: DistributedDataParallel) -> list[int]:
@@ -86,20 +83,13 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
     return statistics.median(times)
 
 
-def ratio_from_ccr(ccr: float, max_ratio: int = 32) -> int:
-    """K = ceil(CCR) clipped to [1, max_ratio]."""
-    if not math.isfinite(ccr):
-        return max_ratio
-    return max(1, min(max_ratio, math.ceil(ccr - 1e-9)))
-
-
 def measure_ccr(
     numels: Sequence[int], backward_s: float, group: dist.ProcessGroup | None = None, reps: int = 5
 ) -> CCRMeasurement:
     """Collective: measure the dense all-reduce time of buckets ``numels`` and return the CCR
-    against ``backward_s`` (seconds), all-reduced with MAX so every rank gets the same ratio."""
+    against ``backward_s`` (seconds), all-reduced with MAX so every rank gets the same value."""
     allreduce_s = time_dense_allreduce(numels, group, reps)
     ccr = torch.tensor([allreduce_s / max(backward_s, 1e-9)], dtype=torch.float64)
     dist.all_reduce(ccr, op=dist.ReduceOp.MAX, group=group)
     value = float(ccr.item())
-    return CCRMeasurement(allreduce_s, backward_s, value, ratio_from_ccr(value))
+    return CCRMeasurement(allreduce_s, backward_s, value)

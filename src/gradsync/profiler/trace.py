@@ -52,10 +52,10 @@ def trace_rank(algorithm: str, model: torch.nn.Module, batches: list, loss_fn: A
     ``model`` under DDP + ``algorithm``'s hook; return this rank's trace events."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..algorithms import bucket_cap_mb_for, build_hook
+    from ..algorithms import build_hook, get
 
     rank = dist.get_rank()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb_for(algorithm, bucket_cap_mb))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e4 if get(algorithm).single_bucket else bucket_cap_mb)
     state, hook = build_hook(algorithm, model=model, **options)
     tracer = _Tracer(state, hook, rank)
     ddp.register_comm_hook(tracer, _traced_hook)

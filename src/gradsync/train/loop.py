@@ -1,4 +1,4 @@
-"""The data-parallel training loop one rank runs (DDP + a gradsync hook, or DeAR)."""
+"""The data-parallel training loop one rank runs, with any registered algorithm (a Synchroniser)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
+from ..algorithms import BuildContext, Synchroniser, build
 from ..comm.agreement import check_config_agreement
 from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
@@ -18,7 +19,6 @@ from ..workloads import get_workload
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate
-from .parallel import DataParallel
 
 
 def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] | None:
@@ -66,23 +66,20 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
              train_y[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device)) for i in range(2)]
     compute = time_compute(model, warm, loss_fn, make_optimizer, cfg.compute_steps)
 
-    dp = DataParallel(cfg.algorithm, model, make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
-                      fusion_mb=cfg.fusion_mb, device=device, ratio=cfg.ratio, density=cfg.density,
-                      error_feedback=cfg.error_feedback, compressor=cfg.compressor, levels=cfg.levels,
-                      rank=cfg.powersgd_rank, seed=cfg.seed, batch_size=cfg.batch_size,
-                      steps_per_epoch=steps_per_epoch, search_interval=cfg.search_interval,
-                      gain_floor=cfg.gain_floor, plateau_tolerance=cfg.plateau_tolerance)
-    state, opt = dp.state, dp.optimizer
+    ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb, device=device,
+                       seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch)
+    dp = build(cfg.algorithm, ctx, cfg.options)
+    opt = dp.optimizer
     check_config_agreement(dp.config())
     dp.warm_up(warm, loss_fn)
     ccr = None
-    covap = dp.covap_controller()
-    if covap is not None and cfg.ratio == "auto":
+    if dp.needs_ccr:
         ccr = measure_ccr(dp.bucket_numels(), compute.backward_s)
-        covap.set_ratio(ccr.ratio)
+        chosen = dp.calibrate(ccr.ccr)
         if rank == 0:
-            print(f"COVAP --ratio auto: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
-                  f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> K = {ccr.ratio}", flush=True)
+            picked = ", ".join(f"{k} = {v}" for k, v in chosen.items() if k != "ccr")
+            print(f"{cfg.algorithm}: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
+                  f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> {picked}", flush=True)
         check_config_agreement(dp.config())
 
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps,
@@ -103,7 +100,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         if progress is not None:
             progress.update(step)
     start_step = step
-    stats0 = state.stats()
+    stats0 = dp.stats()
     last_bytes = stats0["bytes_sent"]
     wall0 = time.perf_counter() - (iterations[-1]["wall_s"] if iterations else 0.0)
     for epoch in range(start_epoch, epochs):
@@ -120,15 +117,11 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             sched.step()
             train_time += dt
             step += 1
-            if hasattr(state, "record_step"):  # GraVAC: compression throughput = samples/s x gain
-                state.record_step(cfg.batch_size / dt)
-            sent = state.stats()["bytes_sent"]
+            observed = dp.observe_step(dt, cfg.batch_size)
+            sent = dp.stats()["bytes_sent"]
             record = {"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
                       "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
-                      "lr": sched.get_last_lr()[0]}
-            for key in ("compression_factor", "density"):
-                if key in getattr(state, "last_step", {}):
-                    record[key] = state.last_step[key]
+                      "lr": sched.get_last_lr()[0], **observed}
             iterations.append(record)
             last_bytes = sent
             if progress is not None:
@@ -149,14 +142,14 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             save_checkpoint(f"{cfg.checkpoint}/epoch{epoch + 1}", rank, {
                 "config": cfg.to_dict(), "epoch": epoch + 1, "step": step, "train_seconds": train_time,
                 "model": dp.module.state_dict(), "optimizer": dp.optimizer.state_dict(),
-                "scheduler": sched.state_dict(), "algorithm": dp.state.state_dict(),
+                "scheduler": sched.state_dict(), "algorithm": dp.state_dict(),
                 "rng": torch.get_rng_state(), "iterations": iterations, "epochs": epoch_log})
         if step >= total_steps:
             break
     if progress is not None:
         progress.close()
 
-    stats = state.stats()
+    stats = dp.stats()
     bytes_sent = stats["bytes_sent"] - stats0["bytes_sent"]
     dense = stats["dense_bytes"] - stats0["dense_bytes"]
     iter_times = [it["iter_s"] for it in iterations]
@@ -181,16 +174,16 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     }
     summary.update(workload.extra_metrics(summary["test_loss"], summary["test_accuracy"]))
     if ccr is not None:
-        summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s, ratio=ccr.ratio)
-    elif covap is not None:
-        summary["ratio"] = covap.ratio
+        summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s)
+    if "ratio" in stats:
+        summary["ratio"] = stats["ratio"]
     if rank != 0:
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
             "iterations": iterations, "epochs": epoch_log}
 
 
-def _restore(cfg: TrainConfig, rank: int, dp: DataParallel, sched: Any) -> dict[str, Any]:
+def _restore(cfg: TrainConfig, rank: int, dp: Synchroniser, sched: Any) -> dict[str, Any]:
     """Load this rank's checkpoint from ``cfg.resume`` into the model, optimizer, LR scheduler,
     algorithm state and torch RNG; return the checkpoint (epoch, step, logs).
 
@@ -205,6 +198,6 @@ def _restore(cfg: TrainConfig, rank: int, dp: DataParallel, sched: Any) -> dict[
     dp.module.load_state_dict(ckpt["model"])
     dp.optimizer.load_state_dict(ckpt["optimizer"])
     sched.load_state_dict(ckpt["scheduler"])
-    dp.state.load_state_dict(ckpt["algorithm"])
+    dp.load_state_dict(ckpt["algorithm"])
     torch.set_rng_state(ckpt["rng"])
     return ckpt

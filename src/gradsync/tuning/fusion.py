@@ -1,8 +1,8 @@
 """Bayesian optimisation of the tensor-fusion threshold (MB), identical on every rank.
 
-Source: DeAR, Zhang, Shi, Chu, Wang, Li, Liu, "Decoupling the All-Reduce Primitive for Accelerating
-Distributed Deep Learning", arXiv 2302.12445, Sec. 4 (tensor fusion tuned with Bayesian optimisation);
-restated from the reference code (``dopt_rsag_bo``, ``tuner.py``) in ``shared/specs/algorithms.md`` §3(a).
+Source: DeAR, Zhang, Shi, Chu, Wang, Li, Liu, "DeAR: Accelerating Distributed Deep Learning with
+Fine-Grained All-Reduce Pipelining", arXiv 2302.12445, Sec. 4 (tensor fusion tuned with Bayesian
+optimisation); restated from the reference code (``dopt_rsag_bo``, ``tuner.py``).
 
 Protocol (what the reference code does, with the differences noted):
 
