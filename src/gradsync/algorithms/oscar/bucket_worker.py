@@ -4,7 +4,8 @@ The OSCAR and count-sketch reductions are several dependent collectives (scale a
 all-reduce, ring steps). On Gloo they cannot be chained from ``Future.then`` callbacks: callbacks run
 in different orders on different ranks when several buckets are in flight, and the collectives
 mismatch or deadlock. Instead one worker thread per state runs the reductions in the order the hooks
-were called, which DDP keeps identical on every rank, while backward goes on.
+were called, which DDP keeps identical on every rank, while backward goes on, on a process group
+of their own (see :class:`OrderedBucketWorker`).
 """
 
 from typing import Any, Callable
@@ -29,17 +30,54 @@ def completed_future(t: torch.Tensor) -> torch.futures.Future:
 
 
 class OrderedBucketWorker:
-    """Mixin: runs each bucket's whole reduction on one background thread, in bucket order.
+    """Mixin: runs each bucket's whole reduction on one background thread, in bucket order, on a
+    private process group.
 
     One worker thread per state runs the submitted reductions in submission order; communication
     overlaps the rest of the backward pass. ``overlap = False`` (class or instance attribute) runs
-    them in the hook body instead. The thread pool is not pickled.
+    them in the hook body instead.
+
+    **Private process group.** While the worker communicates, DDP's own thread issues collectives on
+    the model's process group (with ``find_unused_parameters=True`` the all-reduce of the
+    unused-parameter map, launched once the last bucket is marked ready). Two threads issuing
+    collectives on one Gloo group interleave them differently on different ranks (the job aborts
+    with ``gloo::EnforceNotMet ... Received data size doesn't match expected size``). So at the
+    first overlapped hook call the state creates its own group over the same ranks with
+    ``dist.new_group`` (a store rendezvous, no collective on the default group); DDP calls the
+    first hook of the first backward on every rank at the same point, so every rank of the default
+    group creates it in the same order relative to its other ``new_group`` calls. All collectives
+    of the reduction run on :attr:`comm_group`. If ``process_group`` is a strict subgroup of the
+    default group (``new_group`` would need the ranks outside it too) the reduction runs in the hook
+    body instead, which is ordered with DDP's collectives by construction. The thread pool and
+    the private group are not pickled; an unpickled state creates new ones.
     """
 
     overlap = True
 
-    def _submit(self, work: Callable[[], torch.Tensor]) -> torch.futures.Future:
+    @property
+    def comm_group(self) -> "dist.ProcessGroup | None":
+        """Group the reduction's collectives run on: the private group once the worker created
+        one, else ``process_group`` (``None`` = default group)."""
+        group = self.__dict__.get("_worker_group")
+        return self.process_group if group is None else group  # type: ignore[attr-defined]
+
+    def _runs_in_background(self) -> bool:
+        """Create the private group at the first call (collective over the default group's ranks);
+        ``False`` if the reduction must run in the hook body."""
         if not self.overlap:
+            return False
+        if "_worker_group" in self.__dict__:
+            return self.__dict__["_worker_group"] is not None
+        pg = self.process_group  # type: ignore[attr-defined]
+        if pg is None or dist.get_world_size(pg) == dist.get_world_size():
+            ranks = None if pg is None else sorted(dist.get_process_group_ranks(pg))
+            self._worker_group = dist.new_group(ranks=ranks, group_desc="gradsync-bucket-worker")
+        else:
+            self._worker_group = None
+        return self._worker_group is not None
+
+    def _submit(self, work: Callable[[], torch.Tensor]) -> torch.futures.Future:
+        if not self._runs_in_background():
             return completed_future(work())
         pool = self.__dict__.get("_pool")
         if pool is None:
@@ -60,13 +98,14 @@ class OrderedBucketWorker:
     def __getstate__(self) -> dict[str, Any]:
         d = super().__getstate__()  # type: ignore[misc]
         d.pop("_pool", None)
+        d.pop("_worker_group", None)
         return d
 
 
 def dense_bucket(state: Any, buf: torch.Tensor) -> torch.Tensor:
     """Plain averaging all-reduce of ``buf`` in place (the warm-up before ``start_iter``); counted in
     ``bytes_sent``, not in ``wire_bytes``."""
-    dist.all_reduce(buf, group=state.process_group)
+    dist.all_reduce(buf, group=state.comm_group)
     state.count_collective(buf)
     buf.div_(state.world_size)
     return buf

@@ -123,7 +123,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
             self.accumulators[key] = g  # local error feedback (vector space)
         sk.accumulate(g, hashed=hashed)
         self.compress_seconds += time.perf_counter() - t0
-        dist.all_reduce(sk.table, group=self.process_group)
+        dist.all_reduce(sk.table, group=self.comm_group)
         self.count_collective(sk.table)
         self.wire_bytes += sk.table.numel() * 4 * 2 * (p - 1) / p
         k = max(1, math.ceil(self.heavy_fraction * cols))
@@ -132,7 +132,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
             idx, _ = sk.heavy_hitters(torch.arange(n), k=k, hashed=hashed)
             self.compress_seconds += time.perf_counter() - t0
             vals = g[idx].clone()
-            dist.all_reduce(vals, group=self.process_group)
+            dist.all_reduce(vals, group=self.comm_group)
             self.count_collective(vals)
             self.wire_bytes += vals.numel() * 4 * 2 * (p - 1) / p
             g[idx] = 0.0  # what was sent leaves the local error feedback

@@ -302,7 +302,7 @@ class OscarState(OrderedBucketWorker, HookState):
         Returns:
             ``(n,)`` tensor of ``flat``'s dtype: the decoded sum over ranks divided by P.
         """
-        pg = self.process_group
+        pg = self.comm_group
         p = self.world_size
         L = self.resolved_levels(p)
         n = flat.numel()
@@ -365,7 +365,7 @@ class OscarState(OrderedBucketWorker, HookState):
     def _reduce_sketched(self, q, err, idx_a, agg, step, n, key) -> torch.Tensor:
         """Sketch part A, recover heavy hitters, feed the rest back; returns the coordinates of A whose
         estimate rounds to non-zero but that were not recovered (identical on every rank)."""
-        pg = self.process_group
+        pg = self.comm_group
         t0 = time.perf_counter()
         basis = idx_a.numel() if self.sketch_basis == "part" else n
         cols = sketch_cols(basis, self.sketch_ratio, self.sketch_rows)
@@ -410,7 +410,7 @@ class OscarState(OrderedBucketWorker, HookState):
         return torch.nonzero(flagged_all).reshape(-1)
 
     def _reduce_dense(self, q, idx_b, agg, key, p, L) -> None:
-        pg = self.process_group
+        pg = self.comm_group
         if self.mode == "sw":
             qb = q[idx_b].to(wire_dtype(p * L))
             dist.all_reduce(qb, group=pg)
