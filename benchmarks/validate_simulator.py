@@ -31,8 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from gradsync.sim.costmodel import Network, allreduce_time, reduce_scatter_time
-from gradsync.sim.simulator import load_profile, simulate
+from gradsync.sim import Network, Profile, allreduce_time, load_profile, reduce_scatter_time, simulate
 
 
 def plan_for(algorithm: str, result: dict) -> str:
@@ -43,12 +42,10 @@ def plan_for(algorithm: str, result: dict) -> str:
             "powersgd": f"powersgd:{opts.get('matrix_approximation_rank')}"}[algorithm]
 
 
-def _scale_compute(profile: dict, compute_s: float):
+def _scale_compute(profile: dict, compute_s: float) -> Profile:
     """The profile with forward, backward, optimizer and ready times scaled to total ``compute_s``."""
-    k = compute_s / (profile["forward_s"] + profile["backward_s"] + profile["optimizer_s"])
-    scaled = {**profile, **{f: profile[f] * k for f in ("forward_s", "backward_s", "optimizer_s")}}
-    scaled["buckets"] = [{**b, "ready_s": b["ready_s"] * k} for b in profile["buckets"]]
-    return load_profile(scaled)
+    prof = load_profile(profile)
+    return prof.scale_compute(compute_s / prof.compute_s)
 
 
 def _fit_overlap(profile, world_size: int, net: Network, measured_s: float) -> float:

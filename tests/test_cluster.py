@@ -233,9 +233,65 @@ def test_loopback_fallback_and_arguments():
 def test_auto_falls_back_when_not_root(monkeypatch):
     from gradsync.cluster import netns
 
-    monkeypatch.setattr(netns, "_why_unshaped", lambda: "not root")
+    monkeypatch.setattr(netns, "why_unshaped", lambda: "not root")
     with EmulatedCluster(2, 100.0) as c:
         assert not c.shaped and c.label == "loopback, NOT shaped (not root)"
     with pytest.raises(ClusterError, match="not root"):
         EmulatedCluster(2, 100.0, mode="netns").start()
     assert netns.cleanup_stale() == []
+
+
+def test_auto_burst_policy_and_commands():
+    from gradsync.cluster import Topology, auto_burst
+    from gradsync.cluster.commands import qdisc_add_commands, qdisc_change_command, resolve_burst
+
+    # max(16 kb, 4 ms at the link rate), in tc kb (1024 bytes): the policy bench used
+    for mbit in (1.0, 5.0, 20.0, 32.0, 33.0, 100.0, 1000.0, 25_000.0):
+        want = max(16, int(mbit * 1e6 / 8 * 0.004 / 1024) + 1)
+        assert auto_burst(mbit) == f"{want}kb"
+    assert auto_burst(100.0) == "49kb" and auto_burst(10.0) == "16kb"
+    assert resolve_burst("auto", 1000.0) == "489kb" and resolve_burst("32kb", 1000.0) == "32kb"
+    with pytest.raises(ValueError, match="mbit"):
+        auto_burst(0.0)
+    assert qdisc_add_commands("ns", "d", 100.0, "49kb") == [
+        ["tc", "-n", "ns", "qdisc", "add", "dev", "d", "root", "handle", "10:",
+         "tbf", "rate", "100000kbit", "burst", "49kb", "latency", "50ms"]]
+    netem = qdisc_add_commands("ns", "d", 10.0, "16kb", latency_ms=5.0)
+    assert netem[0][-3:] == ["netem", "delay", "2.5ms"] and netem[1][7:10] == ["parent", "1:1", "handle"]
+    assert qdisc_change_command("ns", "d", 10.0, "16kb")[4:10] == ["change", "dev", "d", "root", "handle", "10:"]
+    topo = Topology(2, "gs0a1b2c", (30, 4))
+    assert topo.namespaces() == ["gs0a1b2cbr", "gs0a1b2ch0", "gs0a1b2ch1"]
+    assert topo.address(1) == "10.30.4.2" and topo.shaped_links(1) == [("gs0a1b2ch1", "gs0a1b2ce1"),
+                                                                         ("gs0a1b2cbr", "gs0a1b2cb1")]
+    assert ["ip", "-n", "gs0a1b2ch0", "addr", "add", "10.30.4.1/24", "dev", "gs0a1b2ce0"] in topo.host_commands(0)
+    with pytest.raises(ValueError, match="host index"):
+        topo.namespace(2)
+    with pytest.raises(ValueError, match="prefix"):
+        Topology(2, "xx", (1, 1))
+    # the cluster's default is the same policy, per link and at the current rate
+    c = EmulatedCluster(2, [100.0, 1000.0])
+    assert c.burst == "auto" and c.link_burst(0) == "49kb" and c.link_burst(1) == "489kb"
+    assert EmulatedCluster(2, 100.0, burst="32kb").link_burst(1) == "32kb"
+
+
+def _burst_bytes(qdisc: str) -> float:
+    """The tbf burst in bytes from ``tc qdisc show`` ("burst 49Kb", "burst 500625b")."""
+    import re
+
+    m = re.search(r"burst (\d+(?:\.\d+)?)([KMG]?)b", qdisc)
+    assert m, qdisc
+    return float(m.group(1)) * {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}[m.group(2)]
+
+
+@needs_root
+def test_auto_burst_installed_and_follows_rate_changes():
+    with EmulatedCluster(2, [100.0, 20.0]) as c:
+        assert c.shaped, c.reason
+        # the kernel stores the burst in timer ticks, so tc shows it rounded (within 1 %)
+        for side in (False, True):
+            assert _burst_bytes(c.qdisc_show(0, side)) == pytest.approx(49 * 1024, rel=0.01)
+            assert _burst_bytes(c.qdisc_show(1, side)) == pytest.approx(16 * 1024, rel=0.01)
+        c.set_bandwidth(1, 1000.0)
+        for side in (False, True):
+            assert "rate 1Gbit" in c.qdisc_show(1, side)
+            assert _burst_bytes(c.qdisc_show(1, side)) == pytest.approx(489 * 1024, rel=0.01)

@@ -1,18 +1,22 @@
 """An emulated cluster on one machine: network namespaces, veth pairs, a Linux bridge and ``tc tbf``.
 
-Each host ``i`` is a network namespace ``<prefix>h<i>`` with loopback up and one interface
-``<prefix>e<i>`` (address ``10.X.Y.(i+1)/24``). Its veth peer ``<prefix>b<i>`` is enslaved to the
-bridge ``<prefix>br0``, which lives in its own namespace ``<prefix>br`` so nothing in the root
-namespace changes. Both ends of every host link get a token-bucket filter
-(``tc qdisc add dev D root tbf rate R burst 256kb latency 50ms``), so traffic leaving a host is shaped
-on the host side and traffic entering it on the bridge side: each host has ``R`` Mbit/s in each
-direction. ``tc qdisc change`` alters the rate live (:meth:`EmulatedCluster.set_bandwidth`,
-:class:`BandwidthSchedule`).
+Lifecycle of the cluster (:class:`EmulatedCluster`: build, run processes inside hosts, change rates,
+tear down) and removal of what killed runs left behind (:func:`cleanup_stale`). The wiring is in
+:mod:`gradsync.cluster.topology`, the ``ip`` / ``tc`` commands and the burst policy in
+:mod:`gradsync.cluster.commands`, scheduled rate changes in :mod:`gradsync.cluster.schedule`.
 
-Delay needs the ``netem`` qdisc; where the kernel lacks it (this project's machines do, see
-``shared/specs/platform.md``) asking for ``latency_ms`` raises :class:`NetemUnavailable`.
-Without root or without ``ip``/``tc`` (iproute2) the cluster falls back to loopback without shaping
-(``shaped = False``, ``reason`` says why, ``label`` says "NOT shaped").
+Each host ``i`` is a network namespace with one interface on a bridge that lives in its own
+namespace, so nothing in the root namespace changes. Both ends of every host link get a token-bucket
+filter (``tc qdisc add dev D root tbf rate R burst B latency 50ms``, ``B`` = 4 ms at the link rate,
+at least 16 kb, by default: :func:`gradsync.cluster.commands.auto_burst`), so traffic leaving a host
+is shaped on the host side and traffic entering it on the bridge side: each host has ``R`` Mbit/s in
+each direction. ``tc qdisc change`` alters the rate live (:meth:`EmulatedCluster.set_bandwidth`,
+:class:`gradsync.cluster.schedule.BandwidthSchedule`).
+
+Delay needs the ``netem`` qdisc; where the kernel lacks it (as on the machines this project was
+developed on) asking for ``latency_ms`` raises :class:`NetemUnavailable`. Without root or without
+``ip``/``tc`` (iproute2) the cluster falls back to loopback without shaping (``shaped = False``,
+``reason`` says why, ``label`` says "NOT shaped").
 
 Names carry a per-run prefix ``gs`` + 6 hex digits; everything created is removed on
 :meth:`EmulatedCluster.close` (idempotent), at interpreter exit (atexit) and on SIGINT/SIGTERM (the
@@ -26,74 +30,34 @@ import atexit
 import logging
 import os
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gradsync.cluster.commands import (
+    ClusterError,
+    NetemUnavailable,
+    check_burst,
+    kill_netns_pids,
+    list_netns,
+    netem_available,
+    qdisc_add_commands,
+    qdisc_change_command,
+    resolve_burst,
+    run,
+    why_unshaped,
+)
+from gradsync.cluster.topology import Topology
 from gradsync.validation import check_float, check_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "BandwidthSchedule",
-    "ClusterError",
-    "EmulatedCluster",
-    "NetemUnavailable",
-    "cleanup_stale",
-    "netem_available",
-]
+__all__ = ["RECORD_DIR", "EmulatedCluster", "cleanup_stale"]
 
 RECORD_DIR = "/run/gradsync-netns"
-_BURST = "256kb"
-_TBF_LATENCY = "50ms"
-
-
-class ClusterError(RuntimeError):
-    """A command that builds or changes the emulated cluster failed (message has its stderr)."""
-
-
-class NetemUnavailable(ClusterError):
-    """``latency_ms`` was requested but the kernel has no ``netem`` qdisc."""
-
-
-def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30, check=False)
-    if check and proc.returncode != 0:
-        raise ClusterError(f"{' '.join(argv)} failed (rc {proc.returncode}): {proc.stderr.strip()}")
-    return proc
-
-
-def _rate(mbit: float) -> str:
-    return f"{max(1, round(mbit * 1000))}kbit"
-
-
-def _why_unshaped() -> str | None:
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return "not root"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return f"{' and '.join(missing)} (iproute2) not found"
-    return None
-
-
-def netem_available(namespace: str, device: str) -> bool:
-    """Whether a ``netem`` qdisc can be created on ``device`` in ``namespace`` (tried, then removed).
-
-    The device must belong to the caller and carry no root qdisc of its own yet.
-    """
-    p = _run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "netem",
-              "delay", "1ms"], check=False)
-    if p.returncode != 0:
-        logger.debug("netem probe failed: %s", p.stderr.strip())
-        return False
-    _run(["tc", "-n", namespace, "qdisc", "del", "dev", device, "root"], check=False)
-    return True
 
 
 def _pid_alive(pid: int) -> bool:
@@ -106,11 +70,6 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _list_netns() -> list[str]:
-    p = _run(["ip", "netns", "list"], check=False)
-    return [line.split()[0] for line in p.stdout.splitlines() if line.strip()]
-
-
 def cleanup_stale(prefix: str = "gs", force: bool = False) -> list[str]:
     """Delete namespaces left by emulated clusters whose owning process is gone.
 
@@ -120,31 +79,31 @@ def cleanup_stale(prefix: str = "gs", force: bool = False) -> list[str]:
     owner, or (unless ``force``) without a record, are left alone. Processes still inside a removed
     namespace are killed (SIGKILL, by pid). Returns the namespaces deleted.
     """
-    if _why_unshaped() is not None:
+    if why_unshaped() is not None:
         return []
     pat = re.compile(r"^(gs[0-9a-f]{6})(br|h\d+)$")
     runs: dict[str, list[str]] = {}
-    for ns in _list_netns():
+    for ns in list_netns():
         m = pat.match(ns)
         if m and m.group(1).startswith(prefix):
             runs.setdefault(m.group(1), []).append(ns)
     removed = []
-    for run, names in runs.items():
-        rec = os.path.join(RECORD_DIR, f"{run}.pid")
+    for run_prefix, names in runs.items():
+        rec = os.path.join(RECORD_DIR, f"{run_prefix}.pid")
         try:
             with open(rec) as fh:
                 pid = int(fh.read().strip())
         except (OSError, ValueError):
             pid = None
         if pid is None and not force:
-            logger.info("cleanup_stale: %s has no owner record; skipped (force=True removes it)", run)
+            logger.info("cleanup_stale: %s has no owner record; skipped (force=True removes it)", run_prefix)
             continue
         if pid is not None and _pid_alive(pid) and not force:
-            logger.info("cleanup_stale: %s still owned by live pid %d; skipped", run, pid)
+            logger.info("cleanup_stale: %s still owned by live pid %d; skipped", run_prefix, pid)
             continue
         for ns in sorted(names, key=lambda n: n.endswith("br")):  # hosts first, bridge last
-            _kill_netns_pids(ns)
-            if _run(["ip", "netns", "del", ns], check=False).returncode == 0:
+            kill_netns_pids(ns)
+            if run(["ip", "netns", "del", ns], check=False).returncode == 0:
                 removed.append(ns)
         try:
             os.unlink(rec)
@@ -155,15 +114,6 @@ def cleanup_stale(prefix: str = "gs", force: bool = False) -> list[str]:
     return removed
 
 
-def _kill_netns_pids(ns: str) -> None:
-    p = _run(["ip", "netns", "pids", ns], check=False)
-    for tok in p.stdout.split():
-        try:
-            os.kill(int(tok), signal.SIGKILL)
-        except (ValueError, ProcessLookupError, PermissionError):
-            pass
-
-
 class EmulatedCluster:
     """N emulated hosts with shaped links; use as a context manager.
 
@@ -171,7 +121,9 @@ class EmulatedCluster:
         hosts: number of hosts (one rank per host), 1..250.
         bandwidth_mbit: link rate in Mbit/s (10**6 bit/s) for every host, or one rate per host
             (to model a slow host); each in (0, 1e6].
-        burst: tbf bucket size (``tc`` syntax), default ``"256kb"``.
+        burst: tbf bucket size: ``"auto"`` (default; per link, :func:`gradsync.cluster.commands.auto_burst`
+            of the link's current rate, so ``max(16 kb, 4 ms at the rate)``, recomputed when the rate
+            changes) or a fixed ``tc`` size such as ``"32kb"`` for every link.
         latency_ms: one-way host-to-host delay in milliseconds; needs ``netem`` (half the delay is
             put on each of the two shaped interfaces a packet crosses). ``None``: no delay.
         mode: ``"auto"`` (namespaces when root with iproute2, else loopback), ``"netns"`` (raise
@@ -191,7 +143,7 @@ class EmulatedCluster:
         self,
         hosts: int,
         bandwidth_mbit: float | Sequence[float],
-        burst: str = _BURST,
+        burst: str = "auto",
         latency_ms: float | None = None,
         mode: str = "auto",
         prefix: str | None = None,
@@ -209,22 +161,16 @@ class EmulatedCluster:
             rates = [check_float("bandwidth_mbit", bandwidth_mbit, 0.0, 1e6,
                                  low_inclusive=False)] * self.hosts
         self.rates_mbit: list[float] = rates
-        if not isinstance(burst, str) or not re.fullmatch(r"\d+(\.\d+)?[kmg]?b?", burst.lower()):
-            raise ValueError(f"burst must be a tc size such as '256kb', got {burst!r}")
-        self.burst = burst
+        self.burst = check_burst(burst)
         self.latency_ms = (None if latency_ms is None else
                            check_float("latency_ms", latency_ms, 0.0, 10000.0))
         if mode not in ("auto", "netns", "loopback"):
             raise ValueError(f"mode must be one of auto, netns, loopback; got {mode!r}")
-        if prefix is None:
-            prefix = "gs" + secrets.token_hex(3)
-        if not re.fullmatch(r"gs[0-9a-f]{6}", prefix):
-            raise ValueError(f"prefix must be 'gs' followed by 6 hex digits, got {prefix!r}")
-        self.prefix = prefix
+        self.topology = Topology.random(self.hosts, prefix)
+        self.prefix = self.topology.prefix
         self.mode = mode
         self.shaped = False
         self.reason: str | None = None
-        self._subnet = (secrets.randbelow(200) + 20, secrets.randbelow(250) + 1)
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self._closed = False
@@ -236,29 +182,30 @@ class EmulatedCluster:
     @property
     def bridge_ns(self) -> str:
         """Name of the namespace holding the bridge."""
-        return f"{self.prefix}br"
+        return self.topology.bridge_ns
 
     def namespace(self, i: int) -> str:
         """Network namespace name of host ``i`` (only exists when ``shaped``)."""
-        return f"{self.prefix}h{self._host(i)}"
+        return self.topology.namespace(i)
 
     def ifname(self, i: int) -> str:
         """Interface of host ``i`` inside its namespace, for ``GLOO_SOCKET_IFNAME`` ("lo" unshaped)."""
         i = self._host(i)
-        return f"{self.prefix}e{i}" if self.shaped else "lo"
-
-    def _bridge_port(self, i: int) -> str:
-        return f"{self.prefix}b{i}"
+        return self.topology.host_if(i) if self.shaped else "lo"
 
     def address(self, i: int) -> str:
         """IPv4 address of host ``i`` (``10.X.Y.(i+1)``; ``127.0.0.1`` unshaped)."""
         i = self._host(i)
         if not self.shaped:
             return "127.0.0.1"
-        return f"10.{self._subnet[0]}.{self._subnet[1]}.{i + 1}"
+        return self.topology.address(i)
 
     def _host(self, i: int) -> int:
-        return check_int("host index", i, 0, self.hosts - 1)
+        return self.topology.host_index(i)
+
+    def link_burst(self, i: int) -> str:
+        """The tc burst of host ``i``'s link at its current rate (see ``burst``)."""
+        return resolve_burst(self.burst, self.rates_mbit[self._host(i)])
 
     @property
     def label(self) -> str:
@@ -286,7 +233,7 @@ class EmulatedCluster:
             if self._closed:
                 raise ClusterError("cluster was closed; create a new EmulatedCluster")
             self._started = True
-            why = "loopback requested" if self.mode == "loopback" else _why_unshaped()
+            why = "loopback requested" if self.mode == "loopback" else why_unshaped()
             if why is not None:
                 if self.mode == "netns":
                     raise ClusterError(f"cannot build an emulated cluster: {why}")
@@ -309,47 +256,25 @@ class EmulatedCluster:
         os.makedirs(RECORD_DIR, exist_ok=True)
         with open(os.path.join(RECORD_DIR, f"{self.prefix}.pid"), "w") as fh:
             fh.write(str(os.getpid()))
-        br, brif = self.bridge_ns, f"{self.prefix}br0"
-        _run(["ip", "netns", "add", br])
-        self._created.append(br)
-        _run(["ip", "-n", br, "link", "set", "lo", "up"])
-        _run(["ip", "-n", br, "link", "add", brif, "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", brif, "up"])
+        topo = self.topology
+        self._run_all(topo.bridge_commands())
         for i in range(self.hosts):
-            ns, eif, bif = self.namespace(i), f"{self.prefix}e{i}", self._bridge_port(i)
-            _run(["ip", "netns", "add", ns])
-            self._created.append(ns)
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            _run(["ip", "-n", br, "link", "add", bif, "type", "veth", "peer", "name", eif,
-                  "netns", ns])
-            _run(["ip", "-n", br, "link", "set", bif, "master", brif])
-            _run(["ip", "-n", br, "link", "set", bif, "up"])
-            addr = f"10.{self._subnet[0]}.{self._subnet[1]}.{i + 1}/24"
-            _run(["ip", "-n", ns, "addr", "add", addr, "dev", eif])
-            _run(["ip", "-n", ns, "link", "set", eif, "up"])
-            if i == 0 and self.latency_ms and not netem_available(ns, eif):
+            self._run_all(topo.host_commands(i))
+            if i == 0 and self.latency_ms and not netem_available(topo.namespace(i), topo.host_if(i)):
                 raise NetemUnavailable(
                     "latency_ms needs the netem qdisc, which this kernel does not have "
                     "(tc: 'Specified qdisc kind is unknown'); omit latency_ms / --latency"
                 )
-            for dev_ns, dev in ((ns, eif), (br, bif)):
-                self._add_qdisc(dev_ns, dev, self.rates_mbit[i])
+            for ns, dev in topo.shaped_links(i):
+                self._run_all(qdisc_add_commands(ns, dev, self.rates_mbit[i], self.link_burst(i),
+                                                 self.latency_ms))
 
-    def _add_qdisc(self, ns: str, dev: str, mbit: float) -> None:
-        tbf = ["tbf", "rate", _rate(mbit), "burst", self.burst, "latency", _TBF_LATENCY]
-        if self.latency_ms:
-            half = f"{self.latency_ms / 2:g}ms"
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                  "delay", half])
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                  *tbf])
-        else:
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "10:", *tbf])
-
-    def _change_qdisc(self, ns: str, dev: str, mbit: float) -> None:
-        tbf = ["tbf", "rate", _rate(mbit), "burst", self.burst, "latency", _TBF_LATENCY]
-        where = ["parent", "1:1", "handle", "10:"] if self.latency_ms else ["root", "handle", "10:"]
-        _run(["tc", "-n", ns, "qdisc", "change", "dev", dev, *where, *tbf])
+    def _run_all(self, argvs: Sequence[Sequence[str]]) -> None:
+        """Run each command; record every namespace created so :meth:`close` removes it."""
+        for argv in argvs:
+            run(argv)
+            if list(argv[:3]) == ["ip", "netns", "add"]:
+                self._created.append(argv[3])
 
     def set_bandwidth(self, host: int | None, mbit: float) -> None:
         """Change the rate of host ``host``'s link (both directions), or of every host when
@@ -367,9 +292,10 @@ class EmulatedCluster:
                 logger.warning("set_bandwidth(%s, %g): links are NOT shaped (%s); ignored",
                                host, mbit, self.reason)
                 return
+            burst = resolve_burst(self.burst, mbit)
             for i in targets:
-                self._change_qdisc(self.namespace(i), f"{self.prefix}e{i}", mbit)
-                self._change_qdisc(self.bridge_ns, self._bridge_port(i), mbit)
+                for ns, dev in self.topology.shaped_links(i):
+                    run(qdisc_change_command(ns, dev, mbit, burst, self.latency_ms))
                 self.rates_mbit[i] = mbit
         logger.info("bandwidth of %s set to %g Mbit/s", "all hosts" if host is None else
                     f"host {host}", mbit)
@@ -379,9 +305,8 @@ class EmulatedCluster:
         i = self._host(i)
         if not self.shaped:
             return ""
-        ns, dev = ((self.bridge_ns, self._bridge_port(i)) if bridge_side
-                   else (self.namespace(i), f"{self.prefix}e{i}"))
-        return _run(["tc", "-n", ns, "qdisc", "show", "dev", dev]).stdout
+        ns, dev = self.topology.shaped_links(i)[1 if bridge_side else 0]
+        return run(["tc", "-n", ns, "qdisc", "show", "dev", dev]).stdout
 
     def popen(self, i: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
               **kwargs: Any) -> subprocess.Popen:
@@ -445,9 +370,9 @@ class EmulatedCluster:
                     except subprocess.TimeoutExpired:
                         logger.warning("process %d did not exit after SIGKILL", proc.pid)
             for ns in reversed(self._created):
-                _kill_netns_pids(ns)
-                p = _run(["ip", "netns", "del", ns], check=False)
-                if p.returncode != 0 and ns in _list_netns():
+                kill_netns_pids(ns)
+                p = run(["ip", "netns", "del", ns], check=False)
+                if p.returncode != 0 and ns in list_netns():
                     logger.error("could not delete namespace %s: %s", ns, p.stderr.strip())
             self._created.clear()
             try:
@@ -488,87 +413,3 @@ class EmulatedCluster:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         # SIG_IGN: nothing more to do
-
-
-class BandwidthSchedule:
-    """Change link rates during a run from a background thread.
-
-    Args:
-        cluster: a started :class:`EmulatedCluster`.
-        steps: ``(seconds_from_start, mbit)`` pairs; applied in time order.
-        host: host index to change, or ``None`` for every host.
-
-    ``applied`` lists ``(seconds_from_start_actual, mbit)`` for the changes made. Use as a context
-    manager (``start()`` on enter, ``stop()`` on exit) or call them directly.
-
-    Raises:
-        ValueError: for negative times or bad rates.
-    """
-
-    def __init__(self, cluster: EmulatedCluster, steps: Sequence[tuple[float, float]],
-                 host: int | None = None) -> None:
-        self.cluster = cluster
-        self.steps = sorted(
-            (check_float(f"steps[{j}] time", t, 0.0), check_float(f"steps[{j}] mbit", r, 0.0,
-                                                                  1e6, low_inclusive=False))
-            for j, (t, r) in enumerate(steps)
-        )
-        self.host = host
-        self.applied: list[tuple[float, float]] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @staticmethod
-    def parse(text: str) -> list[tuple[float, float]]:
-        """Parse ``"0:100,30:10,60:100"`` (seconds:Mbit/s pairs) into steps.
-
-        Raises:
-            ValueError: for a malformed entry.
-        """
-        out = []
-        for part in text.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            t, sep, r = part.partition(":")
-            if not sep:
-                raise ValueError(f"bandwidth schedule entry must be seconds:mbit, got {part!r}")
-            out.append((check_float("schedule time", t.strip(), 0.0),
-                        check_float("schedule mbit", r.strip(), 0.0, 1e6, low_inclusive=False)))
-        if not out:
-            raise ValueError("bandwidth schedule is empty")
-        return out
-
-    def start(self) -> BandwidthSchedule:
-        """Start the thread; times count from now."""
-        if self._thread is not None:
-            raise RuntimeError("schedule already started")
-        self._t0 = time.monotonic()
-        self._thread = threading.Thread(target=self._loop, name="gradsync-bw-schedule",
-                                        daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        for t, mbit in self.steps:
-            if self._stop.wait(max(0.0, self._t0 + t - time.monotonic())):
-                return
-            try:
-                self.cluster.set_bandwidth(self.host, mbit)
-                self.applied.append((time.monotonic() - self._t0, mbit))
-            except Exception as exc:  # noqa: BLE001 - recorded, thread must not die silently
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                logger.error("bandwidth schedule step (%g s, %g Mbit/s) failed: %s", t, mbit, exc)
-
-    def stop(self) -> None:
-        """Stop the thread (pending changes are not applied)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def __enter__(self) -> BandwidthSchedule:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -1,5 +1,6 @@
 """Record a compute profile of one DDP training iteration: forward time, per-bucket backward ready
-times and sizes, optimizer time (schema ``gradsync-profile/1``, read by :mod:`gradsync.sim`).
+times and sizes, optimizer time, as a :class:`gradsync.sim.profile.Profile` (JSON schema
+``gradsync-profile/1``, read by :mod:`gradsync.sim`).
 
 The profile runs on a one-rank process group (or on the caller's group, where every rank computes at
 once, so CPU contention matches a real run on the same machine): DDP still cuts the gradients into its buckets and calls
@@ -13,6 +14,7 @@ hooks in bucket order, so a bucket's time is also bounded by its predecessor's, 
 import datetime
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -21,9 +23,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.rendezvous import free_port
+from ..sim.profile import SCHEMA, Profile, load_profile
 from ..validation import check_float, check_int
-
-SCHEMA = "gradsync-profile/1"
 
 
 class _ReadyRecorder:
@@ -56,14 +57,16 @@ def record_profile(
     batch_size: int,
     bucket_cap_mb: float = 25.0,
     iterations: int = 3,
-) -> dict[str, Any]:
+) -> Profile:
     """Measure ``iterations`` training steps (after two warm-up steps, the second on DDP's rebuilt
-    buckets) and return the profile dict with medians in seconds.
+    buckets) and return the profile, with medians in seconds.
 
     Returns:
-        ``{"schema", "model", "batch_size", "dtype_bytes", "forward_s", "backward_s",
-        "optimizer_s", "bucket_cap_mb", "buckets": [{"index", "numel", "ready_s", "shapes"}]}``,
-        buckets in DDP reduction order, ``ready_s`` seconds after backward starts.
+        a validated :class:`~gradsync.sim.profile.Profile`: ``forward_s``, ``backward_s``,
+        ``optimizer_s`` (s), ``dtype_bytes``, buckets in DDP reduction order (``numel``, ``ready_s``
+        seconds after backward starts, parameter ``shapes``); ``meta`` holds ``bucket_cap_mb``,
+        ``threads`` and ``device``. ``profile.save(path)`` writes the JSON that ``gradsync
+        simulate`` reads; ``profile.to_dict()`` is the plain dict.
 
     Raises:
         ValueError: for ``iterations`` < 1 or ``bucket_cap_mb`` <= 0.
@@ -101,10 +104,11 @@ def record_profile(
         buckets = [{"index": i, "numel": layout[i][0], "ready_s": statistics.median(ready[i]),
                     "shapes": layout[i][1]} for i in sorted(layout)]
         dtype_bytes = next(p for p in model.parameters() if p.requires_grad).element_size()
-        return {"schema": SCHEMA, "model": name, "batch_size": batch_size, "dtype_bytes": dtype_bytes,
-                "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
-                "optimizer_s": statistics.median(upd), "bucket_cap_mb": bucket_cap_mb,
-                "threads": torch.get_num_threads(), "device": "cpu", "buckets": buckets}
+        return load_profile({
+            "schema": SCHEMA, "model": name, "batch_size": batch_size, "dtype_bytes": dtype_bytes,
+            "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "optimizer_s": statistics.median(upd), "bucket_cap_mb": bucket_cap_mb,
+            "threads": torch.get_num_threads(), "device": "cpu", "buckets": buckets})
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -139,13 +143,26 @@ def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
     return w.make_model(), make_batch, F.cross_entropy
 
 
-def ccr_at(profile: dict[str, Any], world_size: int, bandwidth_mbit: float, latency_s: float = 0.0) -> float:
+def ccr_at(profile: Profile | Mapping[str, Any], world_size: int, bandwidth_mbit: float,
+           latency_s: float = 0.0) -> float:
     """Dense all-reduce time of every bucket without overlap (ring alpha-beta model) divided by the
-    backward time, for ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s."""
+    backward time, for ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s and ``latency_s`` seconds
+    per message.
+
+    Args:
+        profile: a :class:`~gradsync.sim.profile.Profile` or anything
+            :func:`~gradsync.sim.profile.load_profile` takes.
+
+    Raises:
+        ValueError: for an invalid profile, a profile with ``backward_s == 0``, or bad network values.
+    """
     from ..sim.costmodel import Network, allreduce_time
 
+    prof = load_profile(profile)
+    if prof.backward_s <= 0:
+        raise ValueError("profile backward_s must be > 0 to compute a CCR")
     net = Network.from_mbit(bandwidth_mbit, latency_s)
-    comm = sum(allreduce_time(b["numel"] * profile["dtype_bytes"], world_size, net) for b in profile["buckets"])
-    return comm / profile["backward_s"]
+    comm = sum(allreduce_time(b.numel * prof.dtype_bytes, world_size, net) for b in prof.buckets)
+    return comm / prof.backward_s
 
 

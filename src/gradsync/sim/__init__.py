@@ -1,5 +1,11 @@
-"""Alpha-beta cost model and trace-driven iteration simulator (``gradsync simulate``)."""
+"""Alpha-beta cost model and trace-driven iteration simulator (``gradsync simulate``).
 
+Modules: :mod:`.costmodel` (collective times), :mod:`.profile` (the :class:`Profile` type and its
+JSON form), :mod:`.plans` (what each algorithm sends), :mod:`.engine` (:func:`simulate`,
+:func:`sweep`). :func:`plot_scaling` lives in :mod:`gradsync.report.scaling`.
+"""
+
+from gradsync.report.scaling import plot_scaling
 from gradsync.sim.costmodel import (
     COLLECTIVES,
     Network,
@@ -10,9 +16,9 @@ from gradsync.sim.costmodel import (
     reduce_scatter_time,
     sparse_allgather_time,
 )
-from gradsync.sim.simulator import (
+from gradsync.sim.engine import Result, simulate, sweep
+from gradsync.sim.plans import (
     PLANS,
-    SCHEMA,
     AlgorithmPlan,
     BucketPlan,
     CommStep,
@@ -21,17 +27,10 @@ from gradsync.sim.simulator import (
     DensePlan,
     FP16Plan,
     PowerSGDPlan,
-    Profile,
-    ProfileBucket,
-    Result,
     TopKPlan,
-    load_profile,
     make_plan,
-    plot_scaling,
-    simulate,
-    sweep,
-    synthetic_profile,
 )
+from gradsync.sim.profile import SCHEMA, Profile, ProfileBucket, load_profile, synthetic_profile
 
 __all__ = [
     "COLLECTIVES",

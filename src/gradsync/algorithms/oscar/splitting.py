@@ -1,17 +1,17 @@
-"""OSCAR: compression-aware gradient splitting (OSCAR-SW, OSCAR with ASC) and a count-sketch baseline.
+"""OSCAR: compression-aware gradient splitting (OSCAR-SW and OSCAR with ASC), reconstructed.
 
 Source: Majhi, Laskar, Muzahid, Kim (2026), "Compression-Aware Gradient Splitting for Collective
 Communications in Distributed Training". **No paper text or code is public: this is a reconstruction**
-from the abstract and related work (count sketch: Charikar et al. 2002; Sketched-SGD: Ivkin et al.
-2019; FetchSGD: Rothchild et al. 2020; Atalanta: Delmas Lascorz et al., ASPLOS'24), following
-``specs/algorithms.md`` §4. Names and defaults are placeholders until the paper can be read.
+from the abstract and related work (count sketch: Charikar, Chen, Farach-Colton, ICALP 2002;
+Sketched-SGD: Ivkin et al., arXiv:1903.04488; FetchSGD: Rothchild et al., arXiv:2007.07682; Atalanta:
+Delmas Lascorz et al., ASPLOS'24). Names and defaults are placeholders until the paper can be read.
 
 Pipeline per DDP bucket (flat float buffer ``g`` of ``n`` elements, world size P, ``levels`` = L):
 
 1. ``x = g + e`` (error feedback); ``scale = all_reduce_MAX(max|x|)`` (4 bytes), identical on every
    rank; ``q = stochastic_round(x / scale * L)`` in ``[-L, L]`` (independent per-rank random
    streams; ``rounding="nearest"`` rounds deterministically); ``e = x - q * scale / L``. Default
-   ``L = 127 // P`` so every partial sum fits int8.
+   ``L = 127 // P`` so every partial sum fits int8 (:mod:`.quantiser`).
 2. Split (OSCAR-SW) by the previous iteration's *aggregated* zero mask ``Z = (agg_{t-1} == 0)``, the
    same on every rank: part A = positions in Z ("probably zero"), part B = the others. Before any
    aggregate exists (and with ``sketch=False``) A is empty.
@@ -24,7 +24,7 @@ Pipeline per DDP bucket (flat float buffer ``g`` of ``n`` elements, world size P
    values are exact; otherwise the rounded estimates are used. Every rank's ``q`` at unrecovered
    coordinates goes back into its error feedback.
 4. Part B: ``oscar-sw`` all-reduces ``q[B]`` densely (int8 when ``P * L <= 127``, float16 up to
-   2048, else int32: see :func:`wire_dtype`);
+   2048, else int32: see :func:`.quantiser.wire_dtype`);
    ``oscar-asc`` reduces it with :func:`gradsync.comm.ring.ring_all_reduce_coded`, entropy-coding every
    hop with ASC (:class:`gradsync.coding.asc.ASCRingCoder`), over chunks cut by
    :func:`gradsync.comm.ring.balanced_bounds` from the estimated coded bits of each element (its
@@ -43,34 +43,7 @@ This module deliberately does not use ``from __future__ import annotations``: DD
 ``register_comm_hook`` compares the hook's annotations with ``dist.GradBucket`` and
 ``torch.futures.Future[torch.Tensor]`` and refuses string annotations.
 
-**No overlap.** All communication of a bucket is done synchronously in the hook body, in bucket order,
-and the hook returns an already-completed Future: launching collectives from ``Future.then``
-callbacks deadlocks or mismatches on Gloo when several buckets are in flight (``specs/platform.md``).
-The price is that the bucket's communication no longer overlaps the rest of the backward pass.
-
-Measured (2026-11-22, 2-core shared machine, real Fashion-MNIST, CNN 2 conv + 2 fc = 421,642
-parameters in one DDP bucket, 2 Gloo ranks, batch 64 per rank, SGD lr 0.05 momentum 0.9, 300 steps,
-same seeds; test accuracy on the 10 k test images; bytes = ``wire_bytes_per_step`` per rank):
-
-=======================================  ========  ===============
-algorithm (defaults unless stated)        test acc  bytes/step/rank
-=======================================  ========  ===============
-dense all-reduce (fp32)                   0.874     1,686,568 (est.)
-oscar-sw, sketch off (int8 all-reduce)    0.870     421,650
-oscar-sw (L=63, sketch_ratio 0.05)        0.872     294,101
-oscar-asc (same, B through ASC ring)      0.872     95,366
-oscar-asc, sketch off                     0.870     85,897 (equal chunks 86,362)
-countsketch local_ef (k = cols)           0.728     101,232
-countsketch fetchsgd                      0.100     84,360 (did not learn)
-=======================================  ========  ===============
-
-oscar-sw and oscar-asc produce identical gradients (ASC is lossless; same rounding streams). On this
-workload the sketch does not pay with ASC: 27 % of the elements are "probably zero", but the stochastic
-rounding makes most of them non-zero again, 98 % of part A's mass is not recovered (it goes to error
-feedback and, with ``drain_flagged``, to part B next step), and the float32 sketch plus the exact
-second round cost more than coding those elements with ASC. 4 ranks, 100 steps, ASC without sketch:
-cross-rank max/mean bytes per ring step 1.058 with balanced chunks against 1.070 with equal chunks.
-Times per step are not comparable here (the machine was shared with other jobs).
+The reductions run on the state's ordered bucket worker (:mod:`.bucket_worker`), in bucket order.
 
 Statistics (``stats()``; byte and time figures cover the compressed iterations only):
 ``wire_bytes`` estimated bytes this rank put on the wire (ring point-to-point bytes exactly,
@@ -101,29 +74,10 @@ from gradsync.comm.ring import balanced_bounds, equal_bounds, ring_all_reduce_co
 from gradsync.compressors.countsketch import DEFAULT_SEED, CountSketch, HashCache, sketch_cols
 from gradsync.validation import check_choice, check_float, check_int
 
-__all__ = [
-    "ALGORITHMS",
-    "CountSketchState",
-    "OscarASCState",
-    "OscarSWState",
-    "OscarState",
-    "countsketch_hook",
-    "oscar_hook",
-    "split_by_mask",
-    "stochastic_round",
-    "wire_dtype",
-]
+from .bucket_worker import OrderedBucketWorker, reduce_bucket
+from .quantiser import default_levels, quantise, wire_dtype
 
-
-def wire_dtype(max_abs: int) -> torch.dtype:
-    """Narrowest Gloo all-reduce dtype that sums integers in ``[-max_abs, max_abs]`` exactly:
-    int8 up to 127, float16 up to 2048 (every partial sum is an integer <= 2048, exact in fp16),
-    else int32. Gloo's all-reduce refuses int16 (measured on torch 2.13)."""
-    if max_abs <= 127:
-        return torch.int8
-    if max_abs <= 2048:
-        return torch.float16
-    return torch.int32
+__all__ = ["OscarASCState", "OscarSWState", "OscarState", "oscar_hook", "split_by_mask"]
 
 
 class _Mean:
@@ -140,67 +94,6 @@ class _Mean:
     def value(self) -> float:
         return self.total / self.count if self.count else float("nan")
 
-
-def _check_cpu(buf: torch.Tensor) -> None:
-    if buf.device.type != "cpu":
-        raise ValueError(f"OSCAR/count-sketch hooks need CPU buckets (Gloo), got device {buf.device}")
-
-
-def _completed(t: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(t)
-    return fut
-
-
-class _BucketOrder:
-    """Runs each bucket's whole reduction on one background thread, in bucket order.
-
-    The OSCAR and count-sketch reductions are several dependent collectives (scale all-reduce,
-    sketch all-reduce, ring steps) that cannot be chained from Future callbacks on Gloo (callbacks
-    run in different orders on different ranks). One worker thread per state runs them in the
-    order the hooks were called, which DDP keeps identical on every rank, while backward goes on:
-    communication overlaps computation. ``overlap = False`` runs them in the hook body instead.
-    """
-
-    overlap = True
-
-    def _submit(self, work: Any) -> torch.futures.Future:
-        if not self.overlap:
-            return _completed(work())
-        pool = self.__dict__.get("_pool")
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-bucket")
-        fut: torch.futures.Future = torch.futures.Future()
-
-        def job() -> None:
-            try:
-                fut.set_result(work())
-            except BaseException as exc:  # noqa: BLE001 - DDP re-raises it in backward
-                fut.set_exception(exc)
-
-        pool.submit(job)
-        return fut
-
-    def __getstate__(self) -> dict[str, Any]:
-        d = super().__getstate__()  # type: ignore[misc]
-        d.pop("_pool", None)
-        return d
-
-
-def stochastic_round(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Unbiased stochastic rounding ``floor(y + u)``, ``u ~ U[0, 1)``.
-
-    Args:
-        y: float tensor (any shape).
-        generator: torch random generator (``None`` = global).
-
-    Returns:
-        int32 tensor of ``y``'s shape with ``E[result] = y`` and ``|result - y| < 1``.
-    """
-    u = torch.rand(y.shape, generator=generator, dtype=y.dtype)
-    return torch.floor(y + u).to(torch.int32)
 
 
 def split_by_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +114,7 @@ def split_by_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
 
 
-class OscarState(_BucketOrder, HookState):
+class OscarState(OrderedBucketWorker, HookState):
     """State of :func:`oscar_hook` (OSCAR-SW and OSCAR with ASC, reconstructed).
 
     Args:
@@ -393,7 +286,7 @@ class OscarState(_BucketOrder, HookState):
 
     def resolved_levels(self, world_size: int) -> int:
         """``levels``, or ``max(1, 127 // world_size)`` when it was left ``None``."""
-        return self.levels if self.levels is not None else max(1, 127 // world_size)
+        return self.levels if self.levels is not None else default_levels(world_size)
 
     # -- the algorithm on one flat bucket -------------------------------------------------------
     def reduce(self, flat: torch.Tensor, key: int) -> torch.Tensor:
@@ -409,7 +302,7 @@ class OscarState(_BucketOrder, HookState):
         Returns:
             ``(n,)`` tensor of ``flat``'s dtype: the decoded sum over ranks divided by P.
         """
-        pg = self.process_group
+        pg = self.comm_group
         p = self.world_size
         L = self.resolved_levels(p)
         n = flat.numel()
@@ -441,11 +334,8 @@ class OscarState(_BucketOrder, HookState):
 
         t0 = time.perf_counter()
         step = scale / L
-        if self.rounding == "stochastic":
-            q = stochastic_round(x / step, self.generator()).clamp_(-L, L)
-        else:
-            q = torch.round(x / step).to(torch.int32).clamp_(-L, L)
-        err = x - q.to(torch.float32) * step
+        gen = self.generator() if self.rounding == "stochastic" else None
+        q, err = quantise(x, step, L, self.rounding, gen)
         mask = self.zero_mask.get(key)
         if self.sketch and mask is not None:
             idx_a, idx_b = split_by_mask(mask)
@@ -475,7 +365,7 @@ class OscarState(_BucketOrder, HookState):
     def _reduce_sketched(self, q, err, idx_a, agg, step, n, key) -> torch.Tensor:
         """Sketch part A, recover heavy hitters, feed the rest back; returns the coordinates of A whose
         estimate rounds to non-zero but that were not recovered (identical on every rank)."""
-        pg = self.process_group
+        pg = self.comm_group
         t0 = time.perf_counter()
         basis = idx_a.numel() if self.sketch_basis == "part" else n
         cols = sketch_cols(basis, self.sketch_ratio, self.sketch_rows)
@@ -520,7 +410,7 @@ class OscarState(_BucketOrder, HookState):
         return torch.nonzero(flagged_all).reshape(-1)
 
     def _reduce_dense(self, q, idx_b, agg, key, p, L) -> None:
-        pg = self.process_group
+        pg = self.comm_group
         if self.mode == "sw":
             qb = q[idx_b].to(wire_dtype(p * L))
             dist.all_reduce(qb, group=pg)
@@ -600,17 +490,10 @@ class OscarASCState(OscarState):
         super().__init__(process_group, mode="asc", **kwargs)
 
 
-def _dense_bucket(state: HookState, buf: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(buf, group=state.process_group)
-    state.count_collective(buf)  # dense warm-up: counted in bytes_sent, not in wire_bytes
-    buf.div_(state.world_size)
-    return buf
-
-
 def oscar_hook(state: OscarState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for :class:`OscarState` (``oscar-sw`` / ``oscar-asc``).
 
-    The reduction runs on the state's bucket worker thread (see :class:`_BucketOrder`); the Future
+    The reduction runs on the state's bucket worker thread (see :class:`.bucket_worker.OrderedBucketWorker`); the Future
     holds the bucket buffer (averaged gradient, same shape and dtype).
 
     Raises:
@@ -623,172 +506,6 @@ def oscar_hook(state: OscarState, bucket: dist.GradBucket) -> torch.futures.Futu
             state.wire_bytes_last_step = state.wire_bytes - state._wire_at_step_start
             state._wire_at_step_start = state.wire_bytes
 
-    return _reduce_bucket(state, bucket, after_last)
+    return reduce_bucket(state, bucket, after_last)
 
 
-class CountSketchState(_BucketOrder, HookState):
-    """Count-sketch baseline, state of :func:`countsketch_hook`.
-
-    ``variant="fetchsgd"`` (FetchSGD, Rothchild et al. 2020): per bucket every rank
-    sketches its raw gradient (``rows x cols`` float32, ``rows * cols ~ sketch_ratio * n``: with
-    ``sketch_basis="bucket"`` the size OSCAR-SW uses), the tables are all-reduced and averaged and
-    added to an error accumulator kept *in sketch space* (identical on every rank). The top
-    ``k = ceil(heavy_fraction * cols)`` coordinates of its median estimate are returned as the
-    gradient (the rest of the bucket is zero) and their sketch is subtracted from the accumulator.
-    Momentum is left to the optimizer (FetchSGD keeps it in sketch space too; not done here).
-    Measured: unstable at small sketches. On the Fashion-MNIST CNN (2 ranks, SGD lr 0.05, momentum
-    0.9, ``sketch_ratio=0.05``, ``heavy_fraction`` 0.05 or 1.0) it did not learn in 300 steps (test
-    accuracy 0.10): collision noise in the estimates is extracted as if it were signal and the
-    sketch-space accumulator random-walks. FetchSGD itself used sketches with about as many entries
-    as 0.8 x the model size.
-
-    ``variant="local_ef"`` (default; Sketched-SGD, Ivkin et al. 2019): every rank keeps a local
-    error-feedback vector ``e += g`` and sketches ``e``; the all-reduced sketch selects the top-k
-    candidates; a second all-reduce of the exact ``e`` values at those k coordinates gives the
-    update, which is removed from each rank's ``e``. Exact values and local mass conservation make it stable (same workload,
-    ``heavy_fraction=1.0``: test accuracy 0.73 after 300 steps; with 0.05, i.e. k = 0.05 % of the
-    model, it did not learn).
-
-    Args:
-        process_group, sketch_rows, sketch_ratio, cache_hashes, start_iter, seed: as
-            :class:`OscarState`.
-        variant: ``"fetchsgd"`` or ``"local_ef"``.
-        heavy_fraction: at most ``k = ceil(heavy_fraction * cols)`` coordinates recovered per
-            bucket, (0, 1]; default 1.0 (k = cols = sketch_ratio * n / rows: 1 % of the bucket at the
-            defaults). FetchSGD used k = cols / 20 with a far larger sketch.
-
-    Raises:
-        ValueError: for arguments outside their ranges.
-    """
-
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        *,
-        sketch_rows: int = 5,
-        sketch_ratio: float = 0.05,
-        heavy_fraction: float = 1.0,
-        variant: str = "local_ef",
-        cache_hashes: bool = True,
-        start_iter: int = 2,
-        seed: int = 0,
-    ):
-        super().__init__(process_group)
-        self.variant = check_choice("variant", variant, ["fetchsgd", "local_ef"])
-        self.cache_hashes = bool(check_choice("cache_hashes", cache_hashes, [True, False]))
-        self._hash_cache = HashCache()
-        self.sketch_rows = check_int("sketch_rows", sketch_rows, 1, 64)
-        self.sketch_ratio = check_float("sketch_ratio", sketch_ratio, 0.0, 1.0, low_inclusive=False)
-        self.heavy_fraction = check_float("heavy_fraction", heavy_fraction, 0.0, 1.0, low_inclusive=False)
-        self.start_iter = check_int("start_iter", start_iter, 0, None)
-        self.seed = check_int("seed", seed, 0, None)
-        self.accumulators: dict[int, torch.Tensor] = {}
-        self.wire_bytes = 0.0
-        self.compressed_iterations = 0
-
-    def config(self) -> dict[str, Any]:
-        keys = ("variant", "sketch_rows", "sketch_ratio", "heavy_fraction", "start_iter", "seed")
-        return {"algorithm": type(self).__name__, **{k: getattr(self, k) for k in keys}}
-
-    def stats(self) -> dict[str, float]:
-        out = super().stats()
-        out.update(wire_bytes=self.wire_bytes,
-                   wire_bytes_per_step=self.wire_bytes / max(self.compressed_iterations, 1))
-        return out
-
-    def __getstate__(self) -> dict[str, Any]:
-        d = super().__getstate__()
-        d["_hash_cache"] = HashCache()
-        return d
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "accumulators": {k: v.clone() for k, v in self.accumulators.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.iteration = int(state["iteration"])
-        self.accumulators = {int(k): v.clone() for k, v in state["accumulators"].items()}
-
-    def reduce(self, flat: torch.Tensor, key: int) -> torch.Tensor:
-        """Sketch, all-reduce, accumulate and unsketch one flat ``(n,)`` bucket; returns the ``(n,)``
-        sparse averaged gradient in ``flat``'s dtype."""
-        n = flat.numel()
-        p = self.world_size
-        t0 = time.perf_counter()
-        cols = sketch_cols(n, self.sketch_ratio, self.sketch_rows)
-        sk = CountSketch(self.sketch_rows, cols, seed=DEFAULT_SEED + self.seed)
-        hashed = self._hash_cache.hashes(sk, key, n) if self.cache_hashes else sk.hashes(torch.arange(n))
-        g = flat.detach().reshape(-1).to(torch.float32)
-        if self.variant == "local_ef":
-            acc = self.accumulators.get(key)
-            g = g + acc if acc is not None and acc.numel() == n else g.clone()
-            self.accumulators[key] = g  # local error feedback (vector space)
-        sk.accumulate(g, hashed=hashed)
-        self.compress_seconds += time.perf_counter() - t0
-        dist.all_reduce(sk.table, group=self.process_group)
-        self.count_collective(sk.table)
-        self.wire_bytes += sk.table.numel() * 4 * 2 * (p - 1) / p
-        k = max(1, math.ceil(self.heavy_fraction * cols))
-        if self.variant == "local_ef":
-            t0 = time.perf_counter()
-            idx, _ = sk.heavy_hitters(torch.arange(n), k=k, hashed=hashed)
-            self.compress_seconds += time.perf_counter() - t0
-            vals = g[idx].clone()
-            dist.all_reduce(vals, group=self.process_group)
-            self.count_collective(vals)
-            self.wire_bytes += vals.numel() * 4 * 2 * (p - 1) / p
-            g[idx] = 0.0  # what was sent leaves the local error feedback
-            out = torch.zeros(n, dtype=torch.float32)
-            out[idx] = vals / p
-            return out.to(flat.dtype)
-        t0 = time.perf_counter()
-        acc = self.accumulators.get(key)
-        if acc is None or acc.shape != sk.table.shape:
-            acc = torch.zeros_like(sk.table)
-        acc += sk.table / p
-        sk.table = acc
-        idx, vals = sk.heavy_hitters(torch.arange(n), k=k, hashed=hashed)
-        removed = CountSketch(self.sketch_rows, cols, seed=DEFAULT_SEED + self.seed).accumulate(vals, idx)
-        acc -= removed.table
-        self.accumulators[key] = acc
-        out = torch.zeros(n, dtype=torch.float32)
-        out[idx] = vals
-        self.compress_seconds += time.perf_counter() - t0
-        return out.to(flat.dtype)
-
-
-def countsketch_hook(state: CountSketchState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook for :class:`CountSketchState`, run on the state's bucket worker thread.
-
-    Raises:
-        ValueError: if the bucket is not on the CPU.
-    """
-    return _reduce_bucket(state, bucket)
-
-
-def _reduce_bucket(state: Any, bucket: dist.GradBucket, after_last: Any = None) -> torch.futures.Future:
-    """Dense all-reduce before ``start_iter``, then ``state.reduce`` of the flat bucket, in place,
-    advancing the iteration counters; submitted to the state's bucket worker."""
-    buf, index, is_last = bucket.buffer(), bucket.index(), bucket.is_last()
-    _check_cpu(buf)
-
-    def work() -> torch.Tensor:
-        if state.iteration < state.start_iter:
-            _dense_bucket(state, buf)
-        else:
-            buf.copy_(state.reduce(buf.view(-1), index).view_as(buf))
-            if is_last:
-                state.compressed_iterations += 1
-        state.end_bucket_of(buf, is_last)
-        if is_last and after_last is not None:
-            after_last()
-        return buf
-
-    return state._submit(work)
-
-
-#: name -> (state class, hook) for the algorithm registry / CLI.
-ALGORITHMS = {
-    "oscar-sw": (OscarSWState, oscar_hook),
-    "oscar-asc": (OscarASCState, oscar_hook),
-    "countsketch": (CountSketchState, countsketch_hook),
-}

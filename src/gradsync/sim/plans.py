@@ -1,0 +1,312 @@
+"""Algorithm plans: what each gradient synchronisation algorithm sends per DDP bucket and step.
+
+An :class:`AlgorithmPlan` says, per profile bucket, which collectives an algorithm launches (kind and
+bytes, :class:`CommStep`) and what compression overhead it adds (:class:`BucketPlan`);
+:func:`gradsync.sim.engine.simulate` replays them on a profile. :func:`make_plan` builds one from a
+``"name:param"`` spec.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gradsync.compressors.covap_shards import MAX_RATIO, CovapPlan
+from gradsync.sim.costmodel import COLLECTIVES
+from gradsync.sim.profile import Profile, ProfileBucket
+from gradsync.validation import check_float, check_int
+
+__all__ = [
+    "PLANS",
+    "AlgorithmPlan",
+    "BucketPlan",
+    "CommStep",
+    "CovapSimPlan",
+    "DeARPlan",
+    "DensePlan",
+    "FP16Plan",
+    "PowerSGDPlan",
+    "TopKPlan",
+    "make_plan",
+]
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """One collective: ``kind`` in :data:`~gradsync.sim.costmodel.COLLECTIVES`, ``nbytes`` as the
+    matching cost function takes it (the full vector for all-reduce/reduce-scatter/all-gather, the
+    per-rank payload for ``sparse_allgather``). ``phase`` is ``"backward"`` (launched when the bucket
+    is ready, overlapped with backward) or ``"forward"`` (must finish before the bucket's layers run
+    in the next forward pass, e.g. DeAR's all-gather)."""
+
+    kind: str
+    nbytes: float
+    phase: str = "backward"
+
+    def __post_init__(self) -> None:
+        if self.kind not in COLLECTIVES:
+            raise ValueError(f"kind must be one of {', '.join(COLLECTIVES)}; got {self.kind!r}")
+        object.__setattr__(self, "nbytes", check_float("nbytes", self.nbytes, 0.0))
+        if self.phase not in ("backward", "forward"):
+            raise ValueError(f"phase must be 'backward' or 'forward', got {self.phase!r}")
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """What an algorithm does with one bucket in one step: its collectives (run back to back, in
+    order) and the compression overhead in seconds (compress + decompress). No steps = dropped."""
+
+    steps: tuple[CommStep, ...] = ()
+    overhead_s: float = 0.0
+
+
+class AlgorithmPlan(ABC):
+    """An algorithm as seen by the simulator. Subclass and implement :meth:`bucket_plans`.
+
+    ``period`` is the number of consecutive steps after which the plan repeats; :func:`simulate`
+    averages over ``period`` steps (``step = 0 .. period-1``).
+    """
+
+    name: str = "plan"
+    period: int = 1
+
+    @abstractmethod
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        """One :class:`BucketPlan` per profile bucket, in profile (DDP reduction) order."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class DensePlan(AlgorithmPlan):
+    """DDP's default: one ring all-reduce of ``numel * dtype_bytes`` bytes per bucket."""
+
+    def __init__(self) -> None:
+        self.name = "dense"
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        return [BucketPlan((CommStep("allreduce", b.numel * profile.dtype_bytes),))
+                for b in profile.buckets]
+
+
+class FP16Plan(AlgorithmPlan):
+    """torch's ``fp16_compress_hook``: all-reduce in half precision (2 bytes per element).
+
+    Args:
+        cast_s_per_element: seconds per element for casting to fp16 and back (both casts together);
+            overhead per bucket ``= cast_s_per_element * numel``. Default 0 (measure it to include it).
+    """
+
+    def __init__(self, cast_s_per_element: float = 0.0) -> None:
+        self.cast_s_per_element = check_float("cast_s_per_element", cast_s_per_element, 0.0)
+        self.name = "fp16"
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        return [BucketPlan((CommStep("allreduce", b.numel * 2),), self.cast_s_per_element * b.numel)
+                for b in profile.buckets]
+
+
+class CovapSimPlan(AlgorithmPlan):
+    """COVAP / OGC coarse-grained filter with compression ratio ``K`` (Meng, Sun & Li, arXiv
+    2311.04499).
+
+    Bucket ``b`` is cut into ``c_b`` strided shards (:class:`gradsync.compressors.covap_shards.CovapPlan`, the same
+    rule and schedule the hook runs); shard ``s`` has
+    global id ``G = sum_{b'<b} c_b' + s`` and is all-reduced at step ``t`` when ``(G + t) mod K == 0``
+    (``ceil((n_b - s) / c_b)`` elements). A bucket with no selected shard is dropped (no collective,
+    no cost). ``period = K``: :func:`simulate` averages steps ``0..K-1``. ``K = 1`` is dense.
+
+    Args:
+        k: integer compression ratio K >= 1.
+        copy_s_per_element: seconds per bucket element for the strided copy + scatter-back and the
+            error-feedback update (overhead charged on every bucket, sent or dropped). Default 0.
+    """
+
+    def __init__(self, k: int, copy_s_per_element: float = 0.0) -> None:
+        self.k = check_int("k", k, 1)
+        self.copy_s_per_element = check_float("copy_s_per_element", copy_s_per_element, 0.0)
+        self.name = f"covap(K={self.k})"
+        self.period = self.k
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        layout = CovapPlan.build([b.numel for b in profile.buckets], min(self.k, MAX_RATIO))
+        plans = []
+        for i, b in enumerate(profile.buckets):
+            s = layout.selected_shard(i, step)
+            steps: tuple[CommStep, ...] = ()
+            if s is not None:
+                n_shard = len(range(s, b.numel, layout.shards[i]))
+                steps = (CommStep("allreduce", n_shard * profile.dtype_bytes),)
+            plans.append(BucketPlan(steps, self.copy_s_per_element * b.numel))
+        return plans
+
+
+class TopKPlan(AlgorithmPlan):
+    """Top-k sparsification with all-gather (e.g. GraVAC's communication: Tyagi & Swany,
+    "GraVAC: Adaptive Compression for Communication-Efficient Distributed DL Training", arXiv 2305.12201).
+
+    Per bucket ``k = max(1, ceil(density * numel))``; two sparse all-gathers: the values
+    (``k * dtype_bytes`` bytes per rank) and the int32 indices (``k * 4`` bytes per rank). Since k is
+    the same on every rank, no size exchange or padding is needed.
+
+    Args:
+        density: fraction of elements kept, in (0, 1].
+        select_s_per_element: seconds per bucket element for selection, error feedback and
+            scatter-add of the ``P`` gathered payloads. Default 0.
+    """
+
+    def __init__(self, density: float, select_s_per_element: float = 0.0) -> None:
+        self.density = check_float("density", density, 0.0, 1.0, low_inclusive=False)
+        self.select_s_per_element = check_float("select_s_per_element", select_s_per_element, 0.0)
+        self.name = f"topk(d={self.density:g})"
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        out = []
+        for b in profile.buckets:
+            k = max(1, math.ceil(self.density * b.numel))
+            out.append(BucketPlan(
+                (CommStep("sparse_allgather", k * profile.dtype_bytes),
+                 CommStep("sparse_allgather", k * 4)),
+                self.select_s_per_element * b.numel,
+            ))
+        return out
+
+
+class PowerSGDPlan(AlgorithmPlan):
+    """PowerSGD rank ``r`` as torch's ``powerSGD_hook`` (Vogels et al., NeurIPS 2019, Alg. 1).
+
+    Per bucket, up to three fp32 all-reduces in order: the uncompressed tensors (1-D parameters, and
+    matrices where ``(rows + cols) * r * 2 >= rows * cols``, torch's ``min_compression_rate = 2``),
+    then ``P`` (``sum rows * r`` elements), then ``Q`` (``sum cols * r`` elements). A parameter of
+    shape ``(d0, d1, ...)`` is the matrix ``rows = d0, cols = d1 * d2 * ...``.
+
+    Approximation: when the profile bucket has no ``shapes``, the whole bucket is treated as one
+    square matrix ``rows = cols = ceil(sqrt(numel))``; this gives the fewest bytes possible for the
+    bucket (a lower bound on the traffic of per-layer matrices). Record ``shapes`` in the profile for
+    the exact count.
+
+    Args:
+        rank: matrix approximation rank r >= 1.
+        flops_per_s: compute rate used to charge compression overhead: per matrix
+            ``6 * rows * cols * r`` flops (M Q, M^T P, P Q^T) + ``2 * (rows + cols) * r**2``
+            (Gram-Schmidt). ``None`` (default) charges no overhead.
+    """
+
+    def __init__(self, rank: int, flops_per_s: float | None = None) -> None:
+        self.rank = check_int("rank", rank, 1)
+        self.flops_per_s = (None if flops_per_s is None else
+                            check_float("flops_per_s", flops_per_s, 0.0, low_inclusive=False))
+        self.name = f"powersgd(r={self.rank})"
+
+    def _matrices(self, b: ProfileBucket) -> tuple[int, list[tuple[int, int]]]:
+        if b.shapes is None:
+            side = math.ceil(math.sqrt(b.numel))
+            shapes: Iterable[tuple[int, ...]] = [(side, side)]
+            # the padded square has >= numel elements; compressed volume only depends on sides
+        else:
+            shapes = b.shapes
+        uncompressed = 0
+        mats = []
+        r = self.rank
+        for s in shapes:
+            n = math.prod(s)
+            if len(s) <= 1:
+                uncompressed += n
+                continue
+            rows, cols = s[0], n // s[0]
+            if (rows + cols) * r * 2 >= rows * cols:
+                uncompressed += n
+            else:
+                mats.append((rows, cols))
+        if b.shapes is None and not mats:
+            uncompressed = b.numel
+        return uncompressed, mats
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        out = []
+        r = self.rank
+        db = 4  # torch's PowerSGD keeps P and Q in fp32
+        for b in profile.buckets:
+            unc, mats = self._matrices(b)
+            steps = []
+            if unc:
+                steps.append(CommStep("allreduce", unc * profile.dtype_bytes))
+            if mats:
+                steps.append(CommStep("allreduce", sum(m[0] for m in mats) * r * db))
+                steps.append(CommStep("allreduce", sum(m[1] for m in mats) * r * db))
+            overhead = 0.0
+            if self.flops_per_s is not None:
+                flops = sum(6 * m[0] * m[1] * r + 2 * (m[0] + m[1]) * r * r for m in mats)
+                overhead = flops / self.flops_per_s
+            out.append(BucketPlan(tuple(steps), overhead))
+        return out
+
+
+class DeARPlan(AlgorithmPlan):
+    """DeAR (Zhang et al., "DeAR: Accelerating Distributed Deep Learning with Fine-Grained
+    All-Reduce Pipelining", arXiv 2302.12445): all-reduce decoupled into a
+    reduce-scatter overlapped with backward and an all-gather overlapped with the next forward.
+
+    Each profile bucket is one DeAR layer group (no re-grouping by DeAR's 25 MB threshold), padded to
+    a multiple of ``P`` elements. In the forward pass groups run in reverse bucket order, each taking
+    a share of ``forward_s`` proportional to its numel, and a group cannot start before its
+    all-gather has finished (see :func:`simulate`). Overhead (the lazy SGD update) is not charged.
+    """
+
+    def __init__(self) -> None:
+        self.name = "dear"
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        out = []
+        for b in profile.buckets:
+            n = b.numel + (-b.numel) % world_size
+            nbytes = n * profile.dtype_bytes
+            out.append(BucketPlan((CommStep("reduce_scatter", nbytes, "backward"),
+                                   CommStep("allgather", nbytes, "forward"))))
+        return out
+
+
+#: Plan constructors by name, for :func:`make_plan`.
+PLANS = {
+    "dense": DensePlan,
+    "allreduce": DensePlan,
+    "fp16": FP16Plan,
+    "covap": CovapSimPlan,
+    "topk": TopKPlan,
+    "powersgd": PowerSGDPlan,
+    "dear": DeARPlan,
+}
+
+
+def make_plan(spec: str) -> AlgorithmPlan:
+    """Build a plan from ``"name"`` or ``"name:param"``: ``dense`` (alias ``allreduce``), ``fp16``,
+    ``covap:K`` (default K=3, the COVAP code's default), ``topk:density`` (default 0.01),
+    ``powersgd:rank`` (default 4), ``dear``.
+
+    Raises:
+        ValueError: for an unknown name or a bad parameter.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"plan spec must be a non-empty string, got {spec!r}")
+    name, _, param = spec.partition(":")
+    name = name.strip().lower()
+    if name not in PLANS:
+        raise ValueError(f"algorithm must be one of {', '.join(PLANS)}; got {name!r}")
+    if name == "covap":
+        return CovapSimPlan(check_int("k", _num(param, "k"), 1) if param else 3)
+    if name == "topk":
+        return TopKPlan(_num(param, "density") if param else 0.01)
+    if name == "powersgd":
+        return PowerSGDPlan(check_int("rank", _num(param, "rank"), 1) if param else 4)
+    if param:
+        raise ValueError(f"algorithm {name!r} takes no parameter, got {param!r}")
+    return PLANS[name]()
+
+
+def _num(s: str, name: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {s!r}") from None
