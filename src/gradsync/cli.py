@@ -73,8 +73,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency", type=float, default=None,
                    help="one-way delay in ms (needs the netem qdisc, which not every kernel has)")
     p.add_argument("--burst", default="auto",
-                   help="tbf bucket size (tc syntax, e.g. 32kb); auto: max(16kb, 4 ms at the link rate), "
-                        "small enough that a burst does not hide the shaping of small gradients")
+                   help="tbf bucket size (tc syntax, e.g. 32kb); auto: max(16kb, 4 ms at each link's rate) "
+                        "(gradsync.cluster.auto_burst), small enough that a burst does not hide the shaping "
+                        "of small gradients")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
     _add_algorithm_options(p, defaults={"ratio": "auto"})
     p.set_defaults(func=_bench)
@@ -101,10 +102,7 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")
         cluster, label = None, "loopback, NOT shaped (no --bandwidth)"
     else:
-        burst = args.burst
-        if burst == "auto":
-            burst = f"{max(16, int(min(rates) * 1e6 / 8 * 0.004 / 1024) + 1)}kb"
-        cluster = EmulatedCluster(args.hosts, rates if len(rates) > 1 else rates[0], burst=burst,
+        cluster = EmulatedCluster(args.hosts, rates if len(rates) > 1 else rates[0], burst=args.burst,
                                   latency_ms=args.latency)
     with cluster if cluster is not None else contextlib.nullcontext():
         if cluster is not None:
@@ -154,7 +152,6 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    import json
 
     import torch
     from rich.console import Console
@@ -172,7 +169,8 @@ def _profile(args: argparse.Namespace) -> int:
     prof = record_profile(model, make_batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
                           args.model, args.batch_size, args.bucket_cap_mb, args.iterations)
     ccr = ccr_at(prof, args.world_size, args.bandwidth)
-    prof["ccr"] = {"world_size": args.world_size, "bandwidth_mbit": args.bandwidth, "dense_allreduce_ccr": ccr}
+    prof = prof.with_meta(ccr={"world_size": args.world_size, "bandwidth_mbit": args.bandwidth,
+                               "dense_allreduce_ccr": ccr})
     table = Table(title=f"gradsync profile: {args.model}, batch {args.batch_size}, {args.threads} thread(s)",
                   caption=(f"forward {prof['forward_s'] * 1e3:.1f} ms, backward {prof['backward_s'] * 1e3:.1f} ms, "
                            f"optimizer {prof['optimizer_s'] * 1e3:.1f} ms; dense all-reduce CCR at "
@@ -183,8 +181,7 @@ def _profile(args: argparse.Namespace) -> int:
         table.add_row(str(b["index"]), f"{b['numel']:,}", f"{b['numel'] * prof['dtype_bytes'] / 1e6:.3f}",
                       f"{b['ready_s'] * 1e3:.1f}")
     Console(width=120).print(table)
-    with open(args.out, "w") as f:
-        json.dump(prof, f, indent=1)
+    prof.save(args.out)
     print(f"wrote {args.out}")
     if args.trace:
         from .profiler.trace import run_trace
@@ -229,12 +226,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from .validation import check_float
 
     scale = check_float("compute_scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
-    raw = json.loads(Path(args.profile).read_text())
-    for k in ("forward_s", "backward_s", "optimizer_s"):
-        raw[k] = raw[k] * scale
-    for b in raw.get("buckets", []):
-        b["ready_s"] = b["ready_s"] * scale
-    profile = load_profile(raw)
+    profile = load_profile(args.profile).scale_compute(scale)
     plans = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     sizes = [int(w) for w in args.world_sizes.split(",")]
     mbits = [float(b) for b in args.bandwidths.split(",")]

@@ -169,7 +169,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         "dense_rs_ag_s": rs_ag_s,
         "chosen_from_ccr": chosen,
         "rows": rows,
-        "profile": profile,
+        "profile": profile.to_dict(),
     }
 
 
