@@ -75,6 +75,7 @@ not hold, or that have ``requires_grad=False`` when the wrapper is built, are no
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import math
 import time
@@ -88,12 +89,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import all_gather_flat, reduce_scatter_flat
+from ..comm.ring import ring_reduce_scatter_tensor
 from ..tuning.fusion import FusionTuner
-from ..validation import check_float, check_int
+from ..validation import check_choice, check_float, check_int
 from .base import counter_stats, init_counters
 from .dear_groups import MB, FusionGroup, build_groups, trainable_modules
 
 MAX_FUSION_MB = 1_000_000.0
+REDUCE_SCATTER_CHOICES = ("auto", "ring", "native")
 
 __all__ = ["DeAR", "StridedShard", "GradFilter", "MB", "MAX_FUSION_MB"]
 
@@ -220,6 +223,12 @@ class DeAR:
         timeout: timeout of the two new process groups (default: the timeout of ``process_group``).
         grad_scaler: optional ``torch.amp.GradScaler`` used for every iteration (see :meth:`step`);
             it may also be given first to :meth:`step` (it is then remembered).
+        reduce_scatter: ``"native"`` (``dist.reduce_scatter_tensor``), ``"ring"`` (a bandwidth-optimal
+            ring on point-to-point operations, :func:`gradsync.comm.ring.ring_reduce_scatter_tensor`,
+            run on one worker thread that takes the groups in launch order, so every rank issues the
+            same sequence on the reduce-scatter group) or ``"auto"`` (default: ``"ring"`` when the
+            reduce-scatter group's backend is Gloo, whose ``reduce_scatter_tensor`` costs a whole
+            all-reduce; ``"native"`` otherwise, e.g. NCCL).
 
     Raises:
         ValueError: on a bad argument (wrong types, ``fusion_mb`` out of range or not ``"auto"``,
@@ -246,6 +255,7 @@ class DeAR:
         seed: int = 0,
         timeout: timedelta | None = None,
         grad_scaler: torch.amp.GradScaler | None = None,
+        reduce_scatter: str = "auto",
     ):
         # ---- argument checks (before any collective) ----
         if not isinstance(model, nn.Module):
@@ -264,6 +274,7 @@ class DeAR:
         if not isinstance(broadcast_buffers, bool):
             raise ValueError(f"broadcast_buffers must be a bool, got {broadcast_buffers!r}")
         _check_scaler("grad_scaler", grad_scaler)
+        reduce_scatter = check_choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_CHOICES)
         self.max_allgathers = check_int("max_allgathers", max_allgathers, 1, 1_000_000)
         tune_trials = check_int("tune_trials", tune_trials, 1, 1000)
         tune_window = check_int("tune_window", tune_window, 2, 10_000)
@@ -305,6 +316,11 @@ class DeAR:
         self.ag_group = dist.new_group(ranks, timeout=timeout)
         if self._tuner is not None:
             self._tuner.process_group = self.rs_group
+        if reduce_scatter == "auto":
+            reduce_scatter = "ring" if dist.get_backend(self.rs_group) == "gloo" else "native"
+        self.reduce_scatter = reduce_scatter
+        # ring reduce-scatters run here, one at a time, in launch (= bucket) order
+        self._ring_worker: concurrent.futures.ThreadPoolExecutor | None = None
 
         # ---- counters ----
         init_counters(self)
@@ -502,7 +518,12 @@ class DeAR:
                 self.buckets_skipped += 1
                 return
         src, dst = (g.c_in, g.c_shard) if g.sel is not None else (g.grad_buf, g.shard)
-        g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
+        if self.reduce_scatter == "ring" and self.world_size > 1:
+            if self._ring_worker is None:
+                self._ring_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dear-ring")
+            g.rs_work = _FutureWork(self._ring_worker.submit(ring_reduce_scatter_tensor, dst, src, self.rs_group))
+        else:
+            g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
         self.collectives += 1
         self.bytes_sent += src.numel() * src.element_size()
 
@@ -843,7 +864,8 @@ class DeAR:
         bytes_sent; below 1 without a filter because of the all-gather shard and padding);
         ``rs_wait_seconds`` and ``ag_wait_seconds`` (s blocked in ``.wait()`` of reduce-scatters and
         all-gathers: exposed communication); ``buffer_broadcast_seconds`` (s broadcasting buffers);
-        ``steps_skipped`` (updates skipped by the GradScaler on inf/nan); ``fusion_mb`` (threshold in
+        ``steps_skipped`` (updates skipped by the GradScaler on inf/nan); ``reduce_scatter``
+        (``"ring"`` or ``"native"``); ``fusion_mb`` (threshold in
         use, MB); ``num_groups``; with ``fusion_mb="auto"`` also ``tuning`` (:meth:`FusionTuner.report`).
         """
         out: dict[str, Any] = {
@@ -852,6 +874,7 @@ class DeAR:
             "ag_wait_seconds": self.ag_wait_seconds,
             "buffer_broadcast_seconds": self.buffer_seconds,
             "steps_skipped": self.steps_skipped,
+            "reduce_scatter": self.reduce_scatter,
             "fusion_mb": self.fusion_mb,
             "num_groups": len(self._groups),
         }
@@ -862,7 +885,7 @@ class DeAR:
     def config(self) -> dict[str, Any]:
         """Configuration fields that must be identical on every rank."""
         return {"algorithm": "dear", "fusion_mb": "auto" if self.auto else self.fusion_mb,
-                "broadcast_buffers": self.broadcast_buffers}
+                "broadcast_buffers": self.broadcast_buffers, "reduce_scatter": self.reduce_scatter}
 
     def state_dict(self) -> dict[str, Any]:
         """Flush, then return ``{"model", "optimizer", "dear"}`` (the optimizer's own state_dict, in
@@ -914,6 +937,9 @@ class DeAR:
             h.remove()
         self._handles = []
         self._guard_on = False
+        if self._ring_worker is not None:
+            self._ring_worker.shutdown(wait=True)
+            self._ring_worker = None
         opt = self.optimizer
         for name in ("step", "zero_grad"):
             cur = opt.__dict__.get(name)
@@ -923,6 +949,17 @@ class DeAR:
                     setattr(opt, name, self._saved_opt_attrs[name])
                 else:
                     delattr(opt, name)
+
+
+class _FutureWork:
+    """``.wait()`` for a reduce-scatter running on DeAR's ring worker thread (re-raises its error)."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def wait(self) -> bool:
+        self._future.result()
+        return True
 
 
 def _check_scaler(name: str, scaler: Any, allow_none: bool = True) -> None:
