@@ -97,3 +97,32 @@ def test_dear_ring_losses_equal_ddp(world_size):
             assert got["losses"] == pytest.approx(ddp["losses"], rel=1e-6, abs=1e-6), mode
             for a, b in zip(got["params"], ddp["params"]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _extra_forward(rank, world_size, mode, steps):
+    """A grad-enabled forward between backward and step() (e.g. logging) with BatchNorm buffers: the
+    buffer broadcast must not interleave with ring reduce-scatters still running on the worker."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dear = DeAR(model, opt, fusion_mb=1e-3, reduce_scatter=mode)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(steps):
+        dear.zero_grad()
+        x, y = torch.randn(16, 10, generator=g), torch.randint(0, 4, (16,), generator=g)
+        loss = nn.functional.cross_entropy(dear(x), y)
+        loss.backward()
+        dear(x)  # extra training-mode forward before step()
+        dear.step()
+        losses.append(loss.item())
+    dear.flush()
+    return losses, [b.clone() for b in model.buffers()]
+
+
+def test_ring_with_forward_before_step_matches_native():
+    ring = run_ranks(_extra_forward, 2, "ring", 4, timeout=120, pg_timeout=60)
+    native = run_ranks(_extra_forward, 2, "native", 4, timeout=120, pg_timeout=60)
+    for (l1, b1), (l2, b2) in zip(ring, native):
+        assert l1 == l2
+        assert all(torch.equal(a, b) for a, b in zip(b1, b2))

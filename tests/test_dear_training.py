@@ -321,6 +321,9 @@ def _bad_args(rank, world_size):
     with pytest.raises(ValueError) as e:
         DeAR(mod, opt, grad_scaler="scaler")
     msgs.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        DeAR(mod, opt, reduce_scatter="tree")
+    msgs.append(str(e.value))
     dear = DeAR(mod, opt, fusion_mb=ONE_MODULE_MB)
     x, y = _batches(rank, 1)[0]
     nn.functional.cross_entropy(dear(x), y).backward()
@@ -338,8 +341,9 @@ def _bad_args(rank, world_size):
 
 def test_bad_arguments_name_the_argument():
     msgs = run_ranks(_bad_args, 2, timeout=120, pg_timeout=60)[0]
-    assert "grad_scaler" in msgs[0] and "max_norm" in msgs[1] and "max_norm" in msgs[2]
-    assert "norm_type" in msgs[3] and "norm_type" in msgs[4] and "scaler" in msgs[5]
+    assert "grad_scaler" in msgs[0] and "reduce_scatter" in msgs[1]
+    assert "max_norm" in msgs[2] and "max_norm" in msgs[3]
+    assert "norm_type" in msgs[4] and "norm_type" in msgs[5] and "scaler" in msgs[6]
 
 
 # ------------------------------------------------------------------ dear-covap resume

@@ -18,10 +18,12 @@ How one iteration runs (world size ``P``):
   parameter, zero padding up to a multiple of ``P`` elements.
 * **Backward (wait-free back-propagation).** A post-accumulate-grad hook copies each gradient into its
   group's buffer and replaces ``p.grad`` by a placeholder (see "Misuse" below). When every parameter
-  of a group is ready, an asynchronous ``dist.reduce_scatter_tensor`` (sum) of the buffer is launched
-  on the reduce-scatter process group. Groups are launched in descending group order (the order
-  gradients normally become ready), the same on every rank; a ready group waits until all later groups
-  were launched.
+  of a group is ready, an asynchronous reduce-scatter (sum) of the buffer is launched on the
+  reduce-scatter process group: ``dist.reduce_scatter_tensor`` where the backend has a real one
+  (NCCL), a bandwidth-optimal point-to-point ring on Gloo (whose ``reduce_scatter_tensor`` costs a
+  whole all-reduce), run by one worker thread in launch order. Groups are launched in descending group
+  order (the order gradients normally become ready), the same on every rank; a ready group waits until
+  all later groups were launched.
 * **step()** launches the groups not launched yet (parameters that got no gradient on this rank
   contribute zeros), waits for all reduce-scatters, divides the shards by ``P`` (average, as DDP),
   optionally unscales / clips them (:meth:`DeAR.clip_grad_norm_`, ``step(scaler)``) and launches the
@@ -797,8 +799,11 @@ class DeAR:
             bufs = list(self.model.buffers())
             if bufs:
                 t0 = time.perf_counter()
-                # the reduce-scatter group is idle between step() and the next backward
-                self._broadcast(bufs, self.rs_group)
+                # the reduce-scatter group is idle between step() and the next backward; a forward
+                # between backward and step() may find ring reduce-scatters running on it from the
+                # worker thread, so it then uses the all-gather group (only this thread issues there)
+                busy = self.reduce_scatter == "ring" and self._mid_iteration()
+                self._broadcast(bufs, self.ag_group if busy else self.rs_group)
                 self.buffer_seconds += time.perf_counter() - t0
 
     def _broadcast(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
