@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from distributed import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_ranks
 from gradsync.algorithms.dear import DeAR
 from gradsync.algorithms.dear_covap import CovapGradFilter
 from gradsync.comm.collectives import reduce_scatter_flat

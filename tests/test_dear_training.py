@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from distributed import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_ranks
 from gradsync.algorithms.dear import DeAR
 from gradsync.algorithms.dear_covap import CovapGradFilter
 
@@ -133,7 +133,7 @@ def _scaler_run(rank, world_size, steps, inf_step, mode):
     ddp = DDP(ref)
     opt_ref = torch.optim.Adam(ref.parameters(), lr=0.01)
     opt = torch.optim.Adam(mod.parameters(), lr=0.01)
-    kw = dict(init_scale=2.0**10, growth_interval=2)
+    kw = {"init_scale": 2.0**10, "growth_interval": 2}
     s_ref, s = torch.amp.GradScaler("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
     dear = DeAR(mod, opt, fusion_mb=ONE_MODULE_MB, grad_scaler=s if mode == "ctor+clip" else None)
     clip = mode == "ctor+clip"
@@ -367,7 +367,7 @@ def _covap_resume_run(rank, world_size, steps, cut, keep_filter_state):
     m1, d1 = build()
     train(d1, data)
     d1.flush()
-    m2, d2 = build()
+    _, d2 = build()
     train(d2, data[:cut])
     buf = io.BytesIO()
     torch.save(d2.state_dict(), buf)

@@ -82,9 +82,10 @@ import contextlib
 import math
 import time
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -100,7 +101,7 @@ from .dear_groups import MB, FusionGroup, build_groups, trainable_modules
 MAX_FUSION_MB = 1_000_000.0
 REDUCE_SCATTER_CHOICES = ("auto", "ring", "native")
 
-__all__ = ["DeAR", "StridedShard", "GradFilter", "MB", "MAX_FUSION_MB"]
+__all__ = ["MAX_FUSION_MB", "MB", "DeAR", "GradFilter", "StridedShard"]
 
 #: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
 GradFilter = Callable[[torch.Tensor, int, int], Any]
@@ -124,13 +125,13 @@ class _DeARGradPlaceholder(torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor) -> "_DeARGradPlaceholder":
+    def __new__(cls, like: torch.Tensor) -> _DeARGradPlaceholder:
         return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
         if name.startswith("zero_") and args and isinstance(args[0], _DeARGradPlaceholder):
             return args[0]
@@ -139,7 +140,7 @@ class _DeARGradPlaceholder(torch.Tensor):
             if real:
                 torch._foreach_zero_(real)
             return None
-        if name.startswith("detach_") or name.startswith("requires_grad_"):
+        if name.startswith(("detach_", "requires_grad_")):
             return args[0]
         raise RuntimeError(f"{_MISUSE} (attempted {func} on p.grad)")
 
