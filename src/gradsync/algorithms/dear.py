@@ -1,33 +1,41 @@
 """DeAR: reduce-scatter in backward, all-gather in the next forward, with tensor fusion.
 
-Source: Lin Zhang, Shaohuai Shi, Xiaowen Chu, Wei Wang, Bo Li, Chengjian Liu, "Decoupling the
-All-Reduce Primitive for Accelerating Distributed Deep Learning", arXiv 2302.12445 (Sec. 3: decoupling
-all-reduce into reduce-scatter + all-gather and pipelining them with back-propagation and the next
-feed-forward; Sec. 4: tensor fusion and its Bayesian-optimisation tuning). Restated from
-``shared/specs/algorithms.md`` §3; the code is written from the description, not copied.
+Source: Lin Zhang, Shaohuai Shi, Xiaowen Chu, Wei Wang, Bo Li, Chengjian Liu, "DeAR: Accelerating
+Distributed Deep Learning with Fine-Grained All-Reduce Pipelining", arXiv 2302.12445 (Sec. 3:
+decoupling all-reduce into reduce-scatter + all-gather and pipelining them with back-propagation and
+the next feed-forward; Sec. 4: tensor fusion and its Bayesian-optimisation tuning). The code is
+written from the paper's description, not copied.
+
+This module is the *pipeline* (hooks, collective scheduling, optimizer application, clipping and
+loss scaling); which parameters are fused into which group is decided in
+:mod:`gradsync.algorithms.dear_groups`.
 
 How one iteration runs (world size ``P``):
 
-* **Tensor fusion.** Modules that own trainable parameters directly are taken in registration order
-  (taken as forward order; a parameter shared by several modules belongs to the first owner) and cut
-  into *fusion groups* (buckets) of consecutive modules: the next module joins the group while the
-  group is empty or ``group_bytes + module_bytes < fusion_mb * 2**20``. Group ``k`` owns a flat
-  gradient buffer of the parameters' dtype holding its gradients, one "used" flag per parameter, and
-  zero padding up to a multiple of ``P`` elements.
+* **Tensor fusion.** Modules owning trainable parameters are cut into fusion groups (buckets) of
+  consecutive modules by a byte threshold (:func:`~gradsync.algorithms.dear_groups.cut_modules`).
+  Group ``k`` owns a flat gradient buffer of the parameters' dtype: gradients, one "used" flag per
+  parameter, zero padding up to a multiple of ``P`` elements.
 * **Backward (wait-free back-propagation).** A post-accumulate-grad hook copies each gradient into its
-  group's buffer. When every parameter of a group is ready, an asynchronous
-  ``dist.reduce_scatter_tensor`` (sum) of the buffer is launched on the reduce-scatter process group.
-  Groups are launched in descending group order (the order gradients normally become ready), the same
-  on every rank; a ready group waits until all later groups were launched.
+  group's buffer and replaces ``p.grad`` by a placeholder (see "Misuse" below). When every parameter
+  of a group is ready, an asynchronous reduce-scatter (sum) of the buffer is launched on the
+  reduce-scatter process group: ``dist.reduce_scatter_tensor`` where the backend has a real one
+  (NCCL), a bandwidth-optimal point-to-point ring on Gloo (whose ``reduce_scatter_tensor`` costs a
+  whole all-reduce), run by one worker thread in launch order. Groups are launched in descending group
+  order (the order gradients normally become ready), the same on every rank; a ready group waits until
+  all later groups were launched.
 * **step()** launches the groups not launched yet (parameters that got no gradient on this rank
-  contribute zeros), waits for all reduce-scatters, divides the shards by ``P`` (average, as DDP) and
-  launches the all-gather of group 0 on a separate all-gather process group (``dist.new_group``), so
-  reduce-scatters and all-gathers can run concurrently. It does no optimizer math.
+  contribute zeros), waits for all reduce-scatters, divides the shards by ``P`` (average, as DDP),
+  optionally unscales / clips them (:meth:`DeAR.clip_grad_norm_`, ``step(scaler)``) and launches the
+  all-gather of group 0 on a separate all-gather process group, so reduce-scatters and all-gathers
+  can run concurrently. It does no optimizer math.
 * **Next forward.** A forward-pre hook on each module of group ``k`` waits for the all-gather of every
   group up to ``k`` not applied yet, launches the next group's all-gather, and applies the update of
   the group: the averaged gradient becomes ``p.grad``, the user's optimizer runs on that group's
   parameters only, and ``p.grad`` is cleared. So the update of iteration ``t`` is applied lazily, layer
-  group by layer group, just before the layers are used in forward ``t + 1``.
+  group by layer group, just before the layers are used in forward ``t + 1``. Whether updates are
+  applied in a forward depends on the *root* module's mode (``model.training``) and on grad mode, never
+  on a submodule's own ``training`` flag (a frozen BatchNorm in eval mode is still updated in order).
 
 Differences from the reference code, all needed for "DeAR reproduces DDP + the same optimizer":
 
@@ -40,41 +48,108 @@ Differences from the reference code, all needed for "DeAR reproduces DDP + the s
   skips it), as DDP does: the used flags travel with the gradients. A parameter used on some ranks
   only gets the average with zeros from the others, as in DDP. A group whose modules are never
   called in the next forward is applied at the latest in the following ``step()`` or :meth:`DeAR.flush`.
+* Gradient clipping (:meth:`DeAR.clip_grad_norm_`) and loss scaling (``step(scaler)``) work on the
+  reduced shards: each rank holds ``1/P`` of every averaged gradient after the reduce-scatter, so the
+  global norm is one all-reduce of a scalar, and the clipped / unscaled shards are what is
+  all-gathered (the "all-reduce = reduce-scatter + all-gather" decomposition of Sec. 3).
+* Gradient accumulation: :meth:`DeAR.no_sync` (as ``DistributedDataParallel.no_sync``).
 * Module buffers (BatchNorm statistics) are broadcast from rank 0 at the start of every training
   forward, as DDP's ``broadcast_buffers=True``; parameters and buffers are broadcast from rank 0 when
   the wrapper is built.
 * All collectives are launched from hook bodies or ``step()`` on the Python thread (never from
   ``Future`` callbacks), in an order identical on every rank.
 
-Limitations: gradient accumulation over several backward passes per ``step()`` is refused (a second
-backward raises ``RuntimeError``); gradient clipping on ``p.grad`` is not possible (gradients are
-averaged only in the next forward); a parameter used in a forward through a module other than its
-owner (e.g. ``F.linear(x, self.child.weight)`` in the parent) before its owner runs sees the
-not-yet-updated value; ``optimizer.add_param_group`` after wrapping is not seen; trainable parameters
-that the optimizer does not hold are not synchronised.
+Misuse that raises instead of being silently ignored: from a parameter's backward hook until DeAR
+applies the averaged gradient, ``p.grad`` is a storage-less placeholder tensor of the right shape,
+dtype and device; any computation on it (``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_``,
+``GradScaler.unscale_`` / ``GradScaler.step``, reading its values, a second backward pass that would
+accumulate into it) raises ``RuntimeError`` naming the DeAR method to use. ``optimizer.step()`` on the
+wrapped optimizer raises ``RuntimeError`` too. Not detectable: reading only metadata (``p.grad is
+None``, ``.shape``, ``.dtype``); clipping *after* the next forward applied the update (``p.grad`` is
+``None`` then, so torch's clip returns a zero norm and does nothing); clipping the local, accumulated
+gradients inside :meth:`DeAR.no_sync` (they are real local tensors there, as under DDP).
+
+Limitations: a parameter used in a forward through a module other than its owner (e.g.
+``F.linear(x, self.child.weight)`` in the parent) before its owner runs sees the not-yet-updated value;
+``optimizer.add_param_group`` after wrapping is not seen; trainable parameters that the optimizer does
+not hold, or that have ``requires_grad=False`` when the wrapper is built, are not synchronised.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import math
 import time
-from dataclasses import dataclass, field
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..comm.collectives import all_gather_flat, reduce_scatter_flat
+from ..comm.ring import ring_reduce_scatter_tensor
 from ..tuning.fusion import FusionTuner
+from ..validation import check_choice, check_float, check_int
 from .base import counter_stats, init_counters
-from ..validation import check_float, check_int
+from .dear_groups import MB, FusionGroup, build_groups, trainable_modules
 
-MB = 2**20
 MAX_FUSION_MB = 1_000_000.0
+REDUCE_SCATTER_CHOICES = ("auto", "ring", "native")
+
+__all__ = ["MAX_FUSION_MB", "MB", "DeAR", "GradFilter", "StridedShard"]
 
 #: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
 GradFilter = Callable[[torch.Tensor, int, int], Any]
+
+_Group = FusionGroup  # backward-compatible name
+
+_MISUSE = (
+    "DeAR holds this gradient in its fusion buffer (p.grad is a placeholder until DeAR applies the "
+    "averaged update in the next forward). Use DeAR.clip_grad_norm_() instead of "
+    "torch.nn.utils.clip_grad_norm_/clip_grad_value_, DeAR.step(scaler) instead of "
+    "GradScaler.unscale_/step(optimizer) or optimizer.step(), DeAR.zero_grad() to clear gradients, "
+    "and DeAR.no_sync() to accumulate gradients over several backward passes"
+)
+
+
+class _DeARGradPlaceholder(torch.Tensor):
+    """Storage-less stand-in for ``p.grad`` while DeAR owns the gradient: any computation on it raises.
+
+    Zeroing it (``zero_``/``_foreach_zero_``, what ``zero_grad(set_to_none=False)`` does) is allowed
+    and does nothing: the local gradient it stands for was already consumed by DeAR.
+    """
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> _DeARGradPlaceholder:
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        if name.startswith("zero_") and args and isinstance(args[0], _DeARGradPlaceholder):
+            return args[0]
+        if name.startswith("_foreach_zero_") and args:
+            real = [t for t in args[0] if not isinstance(t, _DeARGradPlaceholder)]
+            if real:
+                torch._foreach_zero_(real)
+            return None
+        if name.startswith(("detach_", "requires_grad_")):
+            return args[0]
+        raise RuntimeError(f"{_MISUSE} (attempted {func} on p.grad)")
+
+    def __repr__(self) -> str:  # printing must not raise
+        return f"DeARGradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _is_placeholder(t: Any) -> bool:
+    return isinstance(t, _DeARGradPlaceholder)
 
 
 @dataclass(frozen=True)
@@ -89,35 +164,6 @@ class StridedShard:
     values: torch.Tensor
 
 
-@dataclass
-class _Group:
-    """One fusion group (bucket) and its per-iteration state."""
-
-    index: int
-    modules: list[nn.Module]
-    params: list[nn.Parameter]
-    offsets: list[int]
-    numel: int  # gradient elements (without flags and padding)
-    grad_buf: torch.Tensor  # (padded,) reduce-scatter input: grads | used flags | zero padding
-    shard: torch.Tensor  # (padded / P,) reduce-scatter output, all-gather input
-    gathered: torch.Tensor  # (padded,) all-gather output: averaged grads | averaged flags | padding
-    opt_groups: list[tuple[int, list[nn.Parameter]]]  # (user param-group index, params)
-    ready: list[bool] = field(default_factory=list)
-    n_ready: int = 0
-    launched: bool = False
-    skipped: bool = False
-    rs_work: Any = None
-    ag_work: Any = None
-    sel: StridedShard | None = None  # this iteration's strided selection (grad_filter)
-    c_in: Any = None  # compact reduce-scatter input / shard / all-gather output for ``sel``
-    c_shard: Any = None
-    c_out: Any = None
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.grad_buf.element_size()
-
-
 class DeAR:
     """Data-parallel training with DeAR's decoupled reduce-scatter / all-gather pipeline.
 
@@ -127,19 +173,31 @@ class DeAR:
         for x, y in loader:
             dear.zero_grad()
             loss_fn(model(x), y).backward()   # or dear(x)
+            dear.clip_grad_norm_(1.0)          # optional, instead of torch.nn.utils.clip_grad_norm_
             dear.step()                        # not optimizer.step()
             scheduler.step()                   # optional, on the user's optimizer
         dear.flush()                           # apply the last update (also before evaluation)
+
+    Mixed precision with a ``torch.amp.GradScaler`` (pass it at construction so the gradients are
+    unscaled before any ``grad_filter`` sees them, or at least to every ``step``)::
+
+        dear = DeAR(model, opt, grad_scaler=scaler)
+        scaler.scale(loss).backward()
+        dear.clip_grad_norm_(1.0)              # unscales first, like scaler.unscale_(opt) + clip
+        dear.step(scaler)                      # = scaler.step(opt) + scaler.update()
 
     After :meth:`flush` the parameters equal those of DDP + the same optimizer (within float
     tolerance). Building the wrapper is collective: every process of the default group must call it
     (``dist.new_group`` is called twice), in the same order as other ``new_group`` calls.
 
     Args:
-        model: the module to train (parameters on one device; CPU with Gloo, or CUDA with NCCL).
+        model: the module to train (parameters on one device; CPU with Gloo, or CUDA with NCCL;
+            float32, float16 or bfloat16 parameters: gradients are communicated in the parameters'
+            dtype, like DDP).
         optimizer: a ``torch.optim.Optimizer`` over (a subset of) ``model``'s parameters whose update
             of a parameter depends only on that parameter's gradient and state (every ``torch.optim``
-            optimizer except ``LBFGS``).
+            optimizer except ``LBFGS``). Its ``step`` and ``zero_grad`` are wrapped: ``step()`` raises
+            ``RuntimeError`` (use :meth:`step`) until :meth:`remove_hooks`.
         process_group: the data-parallel group (``None`` = default group). Two new groups with the
             same ranks are created for reduce-scatter and all-gather.
         fusion_mb: tensor-fusion threshold in MB (2**20 bytes), in (0, 1e6] (default 25.0, as DeAR;
@@ -152,23 +210,34 @@ class DeAR:
             every group's all-gather in ``step()``, so they run back to back behind the forward.
         grad_filter: optional compression filter called as ``grad_filter(flat, step, group)`` on each
             group before its reduce-scatter, where ``flat`` is the group's flat gradient (1-D view of
-            ``numel`` elements, the parameters' dtype, parameter order), ``step`` the iteration
-            (:attr:`iteration`) and ``group`` the group index. It may modify ``flat`` in place and
+            ``numel`` elements, the parameters' dtype, parameter order; already multiplied by
+            ``1 / scale`` when a ``grad_scaler`` is known, and with non-finite values replaced by 0 -
+            the step is then skipped on every rank), ``step`` the iteration (:attr:`iteration`) and
+            ``group`` the group index. It may modify ``flat`` in place and
             return ``None``/``True``, return a tensor of the same shape to send instead, or return
             ``False`` to send nothing for this group this iteration (the group then gets a zero
             averaged gradient; the decision must be identical on every rank), or return a
             :class:`StridedShard` to communicate only ``flat[start::stride]`` (the size must be
-            identical on every rank). Its run time is added to
-            ``compress_seconds``.
+            identical on every rank). Its run time is added to ``compress_seconds``. If it has
+            ``state_dict()`` / ``load_state_dict()``, its state is saved and restored with DeAR's.
         tune_trials, tune_window, tune_warmup: :class:`FusionTuner` settings for ``fusion_mb="auto"``
             (trials, iterations per trial, iterations ignored before the first trial).
         seed: seed of the tuner's optimiser.
         timeout: timeout of the two new process groups (default: the timeout of ``process_group``).
+        grad_scaler: optional ``torch.amp.GradScaler`` used for every iteration (see :meth:`step`);
+            it may also be given first to :meth:`step` (it is then remembered).
+        reduce_scatter: ``"native"`` (``dist.reduce_scatter_tensor``), ``"ring"`` (a bandwidth-optimal
+            ring on point-to-point operations, :func:`gradsync.comm.ring.ring_reduce_scatter_tensor`,
+            run on one worker thread that takes the groups in launch order, so every rank issues the
+            same sequence on the reduce-scatter group) or ``"auto"`` (default: ``"ring"`` when the
+            reduce-scatter group's backend is Gloo, whose ``reduce_scatter_tensor`` costs a whole
+            all-reduce; ``"native"`` otherwise, e.g. NCCL).
 
     Raises:
         ValueError: on a bad argument (wrong types, ``fusion_mb`` out of range or not ``"auto"``,
             tuner settings out of range, LBFGS, optimizer parameters that are not in ``model``, no
-            trainable parameter, a module owning parameters of several dtypes).
+            trainable parameter, a module owning parameters of several dtypes, a ``grad_scaler`` that
+            is not a ``torch.amp.GradScaler``).
         ImportError: with ``fusion_mb="auto"`` if ``bayesian-optimization`` is not installed.
         RuntimeError: if ``torch.distributed`` is not initialised.
     """
@@ -188,6 +257,8 @@ class DeAR:
         tune_warmup: int | None = None,
         seed: int = 0,
         timeout: timedelta | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
+        reduce_scatter: str = "auto",
     ):
         # ---- argument checks (before any collective) ----
         if not isinstance(model, nn.Module):
@@ -205,6 +276,8 @@ class DeAR:
             raise ValueError(f"grad_filter must be callable or None, got {type(grad_filter).__name__}")
         if not isinstance(broadcast_buffers, bool):
             raise ValueError(f"broadcast_buffers must be a bool, got {broadcast_buffers!r}")
+        _check_scaler("grad_scaler", grad_scaler)
+        reduce_scatter = check_choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_CHOICES)
         self.max_allgathers = check_int("max_allgathers", max_allgathers, 1, 1_000_000)
         tune_trials = check_int("tune_trials", tune_trials, 1, 1000)
         tune_window = check_int("tune_window", tune_window, 2, 10_000)
@@ -223,6 +296,7 @@ class DeAR:
                 if id(p) not in model_params:
                     raise ValueError("optimizer holds a parameter that is not in model")
                 opt_params[id(p)] = gi
+        self._modules = trainable_modules(model, opt_params)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialised before building DeAR")
 
@@ -234,22 +308,8 @@ class DeAR:
         self.fusion_mb = float(fusion_mb)
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-
-        # ---- modules in forward (registration) order, parameters to their first owner ----
-        seen: set[int] = set()
-        self._modules: list[tuple[nn.Module, list[nn.Parameter]]] = []
-        for m in model.modules():
-            own = []
-            for p in m.parameters(recurse=False):
-                if id(p) in seen or not p.requires_grad or id(p) not in opt_params:
-                    continue
-                seen.add(id(p))
-                own.append(p)
-            if own:
-                self._modules.append((m, own))
-        if not self._modules:
-            raise ValueError("model has no trainable parameter held by the optimizer")
         self._user_group_of = {id(p): opt_params[id(p)] for _, ps in self._modules for p in ps}
+        self._device = self._modules[0][1][0].device
 
         # ---- process groups: one for reduce-scatter, one for all-gather ----
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
@@ -259,15 +319,21 @@ class DeAR:
         self.ag_group = dist.new_group(ranks, timeout=timeout)
         if self._tuner is not None:
             self._tuner.process_group = self.rs_group
+        if reduce_scatter == "auto":
+            reduce_scatter = "ring" if dist.get_backend(self.rs_group) == "gloo" else "native"
+        self.reduce_scatter = reduce_scatter
+        # ring reduce-scatters run here, one at a time, in launch (= bucket) order
+        self._ring_worker: concurrent.futures.ThreadPoolExecutor | None = None
 
         # ---- counters ----
         init_counters(self)
         self.rs_wait_seconds = 0.0
         self.ag_wait_seconds = 0.0
         self.buffer_seconds = 0.0
+        self.steps_skipped = 0  # optimizer steps skipped by the loss scaler (inf/nan gradients)
 
         # ---- pipeline state ----
-        self._groups: list[_Group] = []
+        self._groups: list[FusionGroup] = []
         self._module_group: dict[int, int] = {}
         self._param_loc: dict[int, tuple[int, int]] = {}
         self._next_launch = -1  # highest group index not launched yet in this backward
@@ -276,6 +342,12 @@ class DeAR:
         self._next_ag = 0
         self._ag_inflight = 0  # all-gathers launched and not yet waited for
         self._hparams: list[dict[str, Any]] = []
+        self._no_sync = False
+        self._reduced = False  # this iteration's reduce-scatters are done and averaged
+        self._scaler: torch.amp.GradScaler | None = grad_scaler
+        self._inv_scale: torch.Tensor | None = None  # 1 / scale used by the hooks this iteration
+        self._found_inf: torch.Tensor | None = None  # (1,) float32 on the device: local, then global
+        self._found_inf_global = False  # _found_inf was all-reduced
         self._build_groups(self.fusion_mb)
 
         # ---- initial state from rank 0, as DDP ----
@@ -289,64 +361,53 @@ class DeAR:
         for _, ps in self._modules:
             for p in ps:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
+        self._guard_optimizer()
+
+    # ------------------------------------------------------------------ optimizer guard
+    def _guard_optimizer(self) -> None:
+        """Wrap ``optimizer.step`` (raises while guarded) and ``optimizer.zero_grad`` (drops placeholders).
+
+        Both are bound methods on the instance, so an LR scheduler built later can wrap them again
+        (it needs ``step.__func__``)."""
+        opt = self.optimizer
+        self._opt_step = opt.step  # what DeAR calls per group (class method or a scheduler's wrapper)
+        self._opt_zero_grad = opt.zero_grad
+        self._saved_opt_attrs = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
+        self._guard_on = True
+        dear = self
+
+        def step(_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if dear._guard_on:
+                raise RuntimeError(
+                    "optimizer.step() on an optimizer wrapped by DeAR: call DeAR.step() (with a "
+                    "GradScaler: DeAR.step(scaler), not scaler.step(optimizer)); DeAR applies the "
+                    "averaged update itself in the next forward"
+                )
+            return dear._opt_step(*args, **kwargs)
+
+        def zero_grad(_opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+            dear._drop_placeholders()
+            dear._opt_zero_grad(set_to_none=set_to_none)
+
+        opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
+        opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
+
+    def _drop_placeholders(self) -> None:
+        for _, ps in self._modules:
+            for p in ps:
+                if _is_placeholder(p.grad):
+                    p.grad = None
 
     # ------------------------------------------------------------------ grouping (tensor fusion)
     def _build_groups(self, fusion_mb: float) -> None:
-        limit = fusion_mb * MB
-        cuts: list[list[tuple[nn.Module, list[nn.Parameter]]]] = []
-        cur: list[tuple[nn.Module, list[nn.Parameter]]] = []
-        cur_bytes = 0
-        dtype = None
-        for m, ps in self._modules:
-            mbytes = sum(p.numel() * p.element_size() for p in ps)
-            mdtypes = {p.dtype for p in ps}
-            if len(mdtypes) > 1:
-                raise ValueError(f"module {type(m).__name__} owns parameters of several dtypes")
-            mdtype = ps[0].dtype
-            if cur and (cur_bytes + mbytes >= limit or mdtype != dtype):
-                cuts.append(cur)
-                cur, cur_bytes = [], 0
-            cur.append((m, ps))
-            cur_bytes += mbytes
-            dtype = mdtype
-        if cur:
-            cuts.append(cur)
-
-        P = self.world_size
-        self._groups = []
-        self._module_group = {}
-        self._param_loc = {}
-        for k, members in enumerate(cuts):
-            params = [p for _, ps in members for p in ps]
-            offsets, off = [], 0
-            for p in params:
-                offsets.append(off)
-                off += p.numel()
-            numel = off
-            padded = -(-(numel + len(params)) // P) * P
-            ref = params[0]
-            grad_buf = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
-            by_user: dict[int, list[nn.Parameter]] = {}
-            for p in params:
-                by_user.setdefault(self._user_group_of[id(p)], []).append(p)
-            g = _Group(
-                index=k,
-                modules=[m for m, _ in members],
-                params=params,
-                offsets=offsets,
-                numel=numel,
-                grad_buf=grad_buf,
-                shard=torch.zeros(padded // P, dtype=ref.dtype, device=ref.device),
-                gathered=torch.zeros(padded, dtype=ref.dtype, device=ref.device),
-                opt_groups=sorted(by_user.items()),
-                ready=[False] * len(params),
-            )
-            self._groups.append(g)
-            for m, _ in members:
-                self._module_group[id(m)] = k
-            for slot, p in enumerate(params):
-                self._param_loc[id(p)] = (k, slot)
+        layout = build_groups(self._modules, fusion_mb, self.world_size, self._user_group_of)
+        self._groups = layout.groups
+        self._module_group = layout.module_group
+        self._param_loc = layout.param_loc
         self._next_launch = len(self._groups) - 1
+
+    def _mid_iteration(self) -> bool:
+        return self._reduced or any(g.launched or g.n_ready for g in self._groups)
 
     def set_fusion_mb(self, fusion_mb: float) -> None:
         """Apply any pending update (:meth:`flush`), then regroup with a new threshold (MB).
@@ -359,27 +420,51 @@ class DeAR:
             RuntimeError: if called between a backward pass and ``step()``.
         """
         fusion_mb = check_float("fusion_mb", fusion_mb, 0.0, MAX_FUSION_MB, low_inclusive=False)
-        if any(g.launched or g.n_ready for g in self._groups):
+        if self._mid_iteration():
             raise RuntimeError("set_fusion_mb must be called after step(), not during an iteration")
         self.flush()
         self.fusion_mb = float(fusion_mb)
         self._build_groups(self.fusion_mb)
 
     # ------------------------------------------------------------------ backward: reduce-scatter
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, as ``DistributedDataParallel.no_sync``.
+
+        Backward passes inside the context only accumulate into ``p.grad`` (no communication); the
+        first backward pass outside it adds its gradients and synchronises the sum, which the next
+        :meth:`step` averages over ranks. Usage::
+
+            with dear.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(dear(x), y).backward()
+            loss_fn(dear(*micro_batches[-1]), ...).backward()
+            dear.step()
+        """
+        old = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
     def _grad_hook(self, p: torch.Tensor) -> None:
+        if self._no_sync:
+            return
         k, slot = self._param_loc[id(p)]
         g = self._groups[k]
-        if g.ready[slot] or g.launched:
+        if g.ready[slot] or g.launched or self._reduced:
             raise RuntimeError(
-                "DeAR: a second backward pass before step(); gradient accumulation is not supported"
+                "DeAR: a second backward pass before step(); accumulate gradients with DeAR.no_sync()"
             )
-        if p.grad is None:
+        if p.grad is None or _is_placeholder(p.grad):
             return
         if p.grad.is_sparse:
             raise RuntimeError("DeAR does not support sparse gradients")
         off = g.offsets[slot]
         g.grad_buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
         g.grad_buf[g.numel + slot] = 1.0
+        p.grad = _DeARGradPlaceholder(p)  # the local gradient is consumed; misuse now raises
         g.ready[slot] = True
         g.n_ready += 1
         if g.n_ready == len(g.params):
@@ -392,7 +477,20 @@ class DeAR:
             self._launch_rs(self._groups[self._next_launch])
             self._next_launch -= 1
 
-    def _launch_rs(self, g: _Group) -> None:
+    def _hook_unscale(self, g: FusionGroup, flat: torch.Tensor) -> None:
+        """With a known GradScaler: ``flat *= 1/scale`` and record non-finite values (no host sync)."""
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+            return
+        if self._inv_scale is None:  # once per iteration, as GradScaler.unscale_
+            self._inv_scale = scaler._scale.double().reciprocal().float().to(g.grad_buf.device)
+            self._found_inf = torch.zeros(1, dtype=torch.float32, device=g.grad_buf.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([flat], self._found_inf, self._inv_scale)
+        if self.grad_filter is not None:  # keep inf/nan out of the filter's residuals
+            flat.nan_to_num_(0.0, 0.0, 0.0)
+        g.unscaled = True
+
+    def _launch_rs(self, g: FusionGroup) -> None:
         for slot, ok in enumerate(g.ready):  # params without a gradient on this rank send zeros
             if not ok:
                 off = g.offsets[slot]
@@ -400,12 +498,14 @@ class DeAR:
                 g.grad_buf[g.numel + slot] = 0.0
         g.launched = True
         g.skipped = False
+        g.unscaled = False
+        g.sel = None
         self.dense_bytes += g.nbytes
+        self._hook_unscale(g, g.grad_buf[: g.numel])
         if self.grad_filter is not None:
             t0 = time.perf_counter()
             flat = g.grad_buf[: g.numel]
             out = self.grad_filter(flat, self.iteration, g.index)
-            g.sel = None
             if out is False:
                 g.skipped = True
             elif isinstance(out, StridedShard):
@@ -421,11 +521,16 @@ class DeAR:
                 self.buckets_skipped += 1
                 return
         src, dst = (g.c_in, g.c_shard) if g.sel is not None else (g.grad_buf, g.shard)
-        g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
+        if self.reduce_scatter == "ring" and self.world_size > 1:
+            if self._ring_worker is None:
+                self._ring_worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dear-ring")
+            g.rs_work = _FutureWork(self._ring_worker.submit(ring_reduce_scatter_tensor, dst, src, self.rs_group))
+        else:
+            g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
         self.collectives += 1
         self.bytes_sent += src.numel() * src.element_size()
 
-    def _compact(self, g: _Group, sel: StridedShard) -> None:
+    def _compact(self, g: FusionGroup, sel: StridedShard) -> None:
         """Pack ``sel.values`` and the used flags into compact buffers padded to a multiple of P."""
         m = len(range(sel.start, g.numel, sel.stride))
         if sel.values.shape != (m,):
@@ -439,15 +544,10 @@ class DeAR:
         g.c_out = g.grad_buf.new_zeros(padded)
         g.sel = sel
 
-    # ------------------------------------------------------------------ step: wait, start all-gather
-    def step(self) -> None:
-        """End the iteration: launch missing reduce-scatters, wait for all, start the all-gathers.
-
-        Also applies any part of the previous update not applied in this iteration's forward, and
-        (with ``fusion_mb="auto"``) runs the tuner, regrouping when it asks to (after applying the
-        update synchronously, so no collective is in flight). Does no optimizer math otherwise: the
-        update is applied in the next forward, or by :meth:`flush`. Collective: every rank must call it.
-        """
+    def _finish_reduce(self) -> None:
+        """Launch the missing reduce-scatters, wait for all, average the shards (idempotent)."""
+        if self._reduced:
+            return
         self._apply_through(len(self._groups) - 1)  # leftovers of the previous update
         while self._next_launch >= 0:  # finalisation: same order on every rank
             self._launch_rs(self._groups[self._next_launch])
@@ -468,18 +568,157 @@ class DeAR:
             g.n_ready = 0
             g.launched = False
         self._next_launch = len(self._groups) - 1
-        # hyper-parameters as they are now (before any scheduler.step() of this iteration)
-        self._hparams = [
-            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in pg.items() if k != "params"}
-            for pg in self.optimizer.param_groups
-        ]
-        # the update is applied later, but it is this iteration's optimizer step for a scheduler
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self._reduced = True
+
+    def _live_shards(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient values of every sent group (views; may be empty)."""
+        return [g.shard_grads(self.rank, self.world_size) for g in self._groups if not g.skipped]
+
+    # ------------------------------------------------------------------ loss scaling and clipping
+    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
+        """Finish this iteration's reduction and divide the averaged gradients by the loss scale.
+
+        The counterpart of ``scaler.unscale_(optimizer)``: call it (or pass ``grad_scaler`` at
+        construction) before :meth:`clip_grad_norm_` when the loss was scaled. Non-finite values are
+        detected on every rank's shards and the flag is all-reduced (MAX) over the group, so every
+        rank skips the same steps. Idempotent within an iteration; remembers ``scaler`` for later
+        iterations. Collective: every rank must call it.
+
+        Raises:
+            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler``.
+            RuntimeError: if the scaler has no scale yet (``scaler.scale(loss)`` was not called).
+        """
+        _check_scaler("scaler", scaler, allow_none=False)
+        self._scaler = scaler
+        self._unscale(scaler)
+
+    def _unscale(self, scaler: torch.amp.GradScaler) -> None:
+        if not scaler.is_enabled():
+            return
+        self._finish_reduce()
+        if self._found_inf_global:
+            return
+        if scaler._scale is None:
+            raise RuntimeError("GradScaler has no scale yet: call scaler.scale(loss).backward() first")
+        dev = self._device
+        inv = scaler._scale.double().reciprocal().float().to(dev)
+        found = self._found_inf if self._found_inf is not None else torch.zeros(1, device=dev)
+        for g in self._groups:
+            if g.skipped or g.unscaled:
+                continue
+            view = g.shard_grads(self.rank, self.world_size)
+            if view.numel():
+                torch._amp_foreach_non_finite_check_and_unscale_([view], found, inv)
+            g.unscaled = True
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.rs_group)
+        self._found_inf = found
+        self._found_inf_global = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, like DDP + ``torch.nn.utils.clip_grad_norm_``.
+
+        Call it after ``backward()`` and before :meth:`step`. It finishes this iteration's
+        reduce-scatters, computes ``||g||_p`` over all averaged gradients (each rank holds ``1/P`` of
+        them: local sums of ``|g|^p``, or the local max for ``p = inf``, are all-reduced), and
+        multiplies every gradient by ``min(1, max_norm / (total + 1e-6))`` before the all-gather.
+        With a known GradScaler (``grad_scaler=`` or an earlier :meth:`unscale_` / ``step(scaler)``)
+        the gradients are unscaled first. Collective: every rank must call it.
+
+        Args:
+            max_norm: maximum norm, finite and >= 0.
+            norm_type: ``p`` of the p-norm, > 0 (``float("inf")`` for the max norm).
+
+        Returns:
+            the total norm before clipping, a 0-d tensor on the parameters' device (float32 for
+            float32/float16/bfloat16 gradients; computed in float32); inf/nan when gradients are
+            not finite (the step is then skipped by ``step(scaler)``, as with torch).
+
+        Raises:
+            ValueError: for ``max_norm`` or ``norm_type`` out of range.
+        """
+        max_norm = check_float("max_norm", max_norm, 0.0, None)
+        if not (isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool)
+                and float(norm_type) == math.inf):
+            norm_type = check_float("norm_type", norm_type, 0.0, None, low_inclusive=False)
+        norm_type = float(norm_type)
+        if self._scaler is not None:
+            self._unscale(self._scaler)
+        self._finish_reduce()
+        shards = self._live_shards()
+        dev = self._device
+        if norm_type == math.inf:
+            local = torch.zeros((), dtype=torch.float32, device=dev)
+            for s in shards:
+                if s.numel():
+                    local = torch.maximum(local, s.detach().abs().max().float())
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.rs_group)
+            total = local
+        else:
+            local = torch.zeros((), dtype=torch.float32, device=dev)
+            for s in shards:
+                if s.numel():
+                    local = local + torch.linalg.vector_norm(s, norm_type, dtype=torch.float32) ** norm_type
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.rs_group)
+            total = local ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for s in shards:
+            if s.numel():
+                s.mul_(coef.to(s.dtype))
+        return total
+
+    # ------------------------------------------------------------------ step: wait, start all-gather
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
+        """End the iteration: launch missing reduce-scatters, wait for all, start the all-gathers.
+
+        Also applies any part of the previous update not applied in this iteration's forward, and
+        (with ``fusion_mb="auto"``) runs the tuner, regrouping when it asks to (after applying the
+        update synchronously, so no collective is in flight). Does no optimizer math otherwise: the
+        update is applied in the next forward, or by :meth:`flush`. Collective: every rank must call it.
+
+        With a ``torch.amp.GradScaler`` (``scaler``, else the one given at construction or to an
+        earlier call) it does what ``scaler.step(optimizer); scaler.update()`` do under DDP: the
+        averaged gradients are unscaled (if :meth:`unscale_` / :meth:`clip_grad_norm_` did not
+        already), and if any rank found inf/nan the update of this iteration is skipped on every
+        rank (counted in ``steps_skipped``); then the scale is updated (backoff or growth). Do not
+        call ``scaler.update()`` yourself afterwards.
+
+        Raises:
+            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler``.
+        """
+        _check_scaler("scaler", scaler)
+        if scaler is not None:
+            self._scaler = scaler
+        scaler = self._scaler
+        self._finish_reduce()
+        skip = False
+        if scaler is not None and scaler.is_enabled():
+            self._unscale(scaler)
+            found = self._found_inf
+            _record_found_inf(scaler, self.optimizer, found)
+            scaler.update()
+            skip = bool(found.item() > 0)
+        self._reduced = False
+        self._inv_scale = None
+        self._found_inf = None
+        self._found_inf_global = False
         self.iteration += 1
-        self._pending = True
-        self._next_apply = 0
-        self._next_ag = 0
-        self._launch_next_ag()
+        if skip:
+            self.steps_skipped += 1
+            self._drop_placeholders()
+            for g in self._groups:
+                g.sel = g.c_in = g.c_shard = g.c_out = None
+        else:
+            # hyper-parameters as they are now (before any scheduler.step() of this iteration)
+            self._hparams = [
+                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in pg.items() if k != "params"}
+                for pg in self.optimizer.param_groups
+            ]
+            # the update is applied later, but it is this iteration's optimizer step for a scheduler
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            self._pending = True
+            self._next_apply = 0
+            self._next_ag = 0
+            self._launch_next_ag()
         if self._tuner is not None:
             new_mb = self._tuner.observe()
             if new_mb is not None:
@@ -512,7 +751,7 @@ class DeAR:
         if self._next_apply >= len(self._groups):
             self._pending = False
 
-    def _apply(self, g: _Group) -> None:
+    def _apply(self, g: FusionGroup) -> None:
         if g.ag_work is not None:
             t0 = time.perf_counter()
             g.ag_work.wait()
@@ -527,6 +766,8 @@ class DeAR:
             g.gathered[g.numel:g.numel + n_flags] = g.c_out[m:m + n_flags]
             g.sel = g.c_in = g.c_shard = g.c_out = None
         flags = g.gathered[g.numel: g.numel + len(g.params)].tolist()
+        # local gradients accumulated meanwhile (no_sync micro-batches) survive the update
+        kept = [None if _is_placeholder(p.grad) else p.grad for p in g.params]
         with torch.no_grad():
             for slot, p in enumerate(g.params):
                 if flags[slot] > 0:
@@ -543,14 +784,15 @@ class DeAR:
             saved = self.optimizer.param_groups
             self.optimizer.param_groups = subset
             try:
-                self.optimizer.step()
+                self._opt_step()
             finally:
                 self.optimizer.param_groups = saved
-        for p in g.params:
-            p.grad = None
+        for p, grad in zip(g.params, kept):
+            p.grad = grad
 
     def _module_pre_hook(self, module: nn.Module, args: Any) -> None:
-        if self._pending and torch.is_grad_enabled() and module.training:
+        # the root's mode decides (a submodule in eval mode, e.g. frozen BatchNorm, is updated too)
+        if self._pending and torch.is_grad_enabled() and self.model.training:
             self._apply_through(self._module_group[id(module)])
 
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
@@ -558,8 +800,11 @@ class DeAR:
             bufs = list(self.model.buffers())
             if bufs:
                 t0 = time.perf_counter()
-                # the reduce-scatter group is idle between step() and the next backward
-                self._broadcast(bufs, self.rs_group)
+                # the reduce-scatter group is idle between step() and the next backward; a forward
+                # between backward and step() may find ring reduce-scatters running on it from the
+                # worker thread, so it then uses the all-gather group (only this thread issues there)
+                busy = self.reduce_scatter == "ring" and self._mid_iteration()
+                self._broadcast(bufs, self.ag_group if busy else self.rs_group)
                 self.buffer_seconds += time.perf_counter() - t0
 
     def _broadcast(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
@@ -587,8 +832,9 @@ class DeAR:
         self._apply_through(len(self._groups) - 1)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad(set_to_none)``."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        """Clear gradients: ``optimizer.zero_grad(set_to_none)`` (DeAR's placeholders become ``None``)."""
+        self._drop_placeholders()
+        self._opt_zero_grad(set_to_none=set_to_none)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``model(*args, **kwargs)``."""
@@ -608,6 +854,11 @@ class DeAR:
         """The fusion tuner (``fusion_mb="auto"``), else ``None``."""
         return self._tuner
 
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in use (given at construction or to :meth:`step` / :meth:`unscale_`)."""
+        return self._scaler
+
     def stats(self) -> dict[str, Any]:
         """Cumulative counters of this rank (divide by ``iteration`` for per-iteration figures).
 
@@ -619,14 +870,17 @@ class DeAR:
         bytes_sent; below 1 without a filter because of the all-gather shard and padding);
         ``rs_wait_seconds`` and ``ag_wait_seconds`` (s blocked in ``.wait()`` of reduce-scatters and
         all-gathers: exposed communication); ``buffer_broadcast_seconds`` (s broadcasting buffers);
-        ``fusion_mb`` (threshold in use, MB); ``num_groups``; with ``fusion_mb="auto"`` also
-        ``tuning`` (:meth:`FusionTuner.report`).
+        ``steps_skipped`` (updates skipped by the GradScaler on inf/nan); ``reduce_scatter``
+        (``"ring"`` or ``"native"``); ``fusion_mb`` (threshold in
+        use, MB); ``num_groups``; with ``fusion_mb="auto"`` also ``tuning`` (:meth:`FusionTuner.report`).
         """
         out: dict[str, Any] = {
             **counter_stats(self),
             "rs_wait_seconds": self.rs_wait_seconds,
             "ag_wait_seconds": self.ag_wait_seconds,
             "buffer_broadcast_seconds": self.buffer_seconds,
+            "steps_skipped": self.steps_skipped,
+            "reduce_scatter": self.reduce_scatter,
             "fusion_mb": self.fusion_mb,
             "num_groups": len(self._groups),
         }
@@ -637,12 +891,15 @@ class DeAR:
     def config(self) -> dict[str, Any]:
         """Configuration fields that must be identical on every rank."""
         return {"algorithm": "dear", "fusion_mb": "auto" if self.auto else self.fusion_mb,
-                "broadcast_buffers": self.broadcast_buffers}
+                "broadcast_buffers": self.broadcast_buffers, "reduce_scatter": self.reduce_scatter}
 
     def state_dict(self) -> dict[str, Any]:
         """Flush, then return ``{"model", "optimizer", "dear"}`` (the optimizer's own state_dict, in
-        DDP's format; ``"dear"`` holds the iteration, the threshold and the tuner state)."""
+        DDP's format; ``"dear"`` holds the iteration, the threshold, the tuner state and, when the
+        ``grad_filter`` has a ``state_dict()``, the filter's state, e.g. COVAP's error-feedback
+        residuals). The GradScaler's state is the caller's (``scaler.state_dict()``)."""
         self.flush()
+        filt = self.grad_filter
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -650,18 +907,20 @@ class DeAR:
                 "iteration": self.iteration,
                 "fusion_mb": self.fusion_mb,
                 "tuner": None if self._tuner is None else self._tuner.state_dict(),
+                "grad_filter": filt.state_dict() if hasattr(filt, "state_dict") else None,
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` on every rank, between iterations (after ``step()`` or
         before the first forward). A pending update is applied first and then overwritten; the groups
-        are rebuilt with the saved threshold.
+        are rebuilt with the saved threshold; the ``grad_filter``'s state is restored when both the
+        saved state and the filter have one.
 
         Raises:
             RuntimeError: if called between a backward pass and ``step()``.
         """
-        if any(g.launched or g.n_ready for g in self._groups):
+        if self._mid_iteration():
             raise RuntimeError("load_state_dict must be called between iterations")
         self.flush()
         self.model.load_state_dict(state["model"])
@@ -672,13 +931,59 @@ class DeAR:
         if self._tuner is not None and d.get("tuner") is not None:
             self._tuner.load_state_dict(d["tuner"])
         self._build_groups(self.fusion_mb)
+        if d.get("grad_filter") is not None and hasattr(self.grad_filter, "load_state_dict"):
+            self.grad_filter.load_state_dict(d["grad_filter"])
 
     def remove_hooks(self) -> None:
-        """Flush, then remove every hook; the model then trains as a plain local module."""
+        """Flush, then remove every hook and the optimizer guard; the model then trains as a plain
+        local module with its optimizer."""
         self.flush()
+        self._drop_placeholders()
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._guard_on = False
+        if self._ring_worker is not None:
+            self._ring_worker.shutdown(wait=True)
+            self._ring_worker = None
+        opt = self.optimizer
+        for name in ("step", "zero_grad"):
+            cur = opt.__dict__.get(name)
+            if isinstance(cur, types.MethodType) and cur.__self__ is opt and cur.__func__.__qualname__.startswith(
+                    "DeAR._guard_optimizer"):
+                if name in self._saved_opt_attrs:
+                    setattr(opt, name, self._saved_opt_attrs[name])
+                else:
+                    delattr(opt, name)
+
+
+class _FutureWork:
+    """``.wait()`` for a reduce-scatter running on DeAR's ring worker thread (re-raises its error)."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def wait(self) -> bool:
+        self._future.result()
+        return True
+
+
+def _check_scaler(name: str, scaler: Any, allow_none: bool = True) -> None:
+    if scaler is None and allow_none:
+        return
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise ValueError(f"{name} must be a torch.amp.GradScaler{' or None' if allow_none else ''}, "
+                         f"got {type(scaler).__name__}")
+
+
+def _record_found_inf(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer,
+                      found_inf: torch.Tensor) -> None:
+    """Record ``found_inf`` as ``scaler.step(optimizer)`` would, so ``scaler.update()`` backs off or grows."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    state["found_inf_per_device"] = {found_inf.device: found_inf}
+    state["stage"] = OptState.STEPPED
 
 
 def _group_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
