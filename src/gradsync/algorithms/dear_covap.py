@@ -92,7 +92,8 @@ class CovapGradFilter:
         selected = self.filter.split(group, flat, step, step)
         if selected is None:
             return False
-        shard, c, values = selected
+        shard, c, values = selected  # residuals stay float32; the wire carries the parameters' dtype
+        values = values.to(flat.dtype)
         return values if c == 1 else StridedShard(shard, c, values)
 
     def state_dict(self) -> dict[str, Any]:

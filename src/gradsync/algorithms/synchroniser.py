@@ -217,15 +217,11 @@ class DeARSynchroniser(_Common):
         return {**self.wrapper.config(), "algorithm": self.name, **extra}
 
     def state_dict(self) -> dict[str, Any]:
-        out = self.wrapper.state_dict()
-        if self.grad_filter is not None:
-            out["grad_filter"] = self.grad_filter.state_dict()
-        return out
+        """DeAR's state: model, optimizer, iteration, fusion threshold and the filter's residuals."""
+        return self.wrapper.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.wrapper.load_state_dict(state)
-        if self.grad_filter is not None and "grad_filter" in state:
-            self.grad_filter.load_state_dict(state["grad_filter"])
 
     def close(self) -> None:
         """Remove DeAR's hooks and destroy its two process groups (collective)."""
