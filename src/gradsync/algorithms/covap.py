@@ -22,8 +22,9 @@ so every rank selects the same elements and a plain all-reduce still works.
   ratio and :meth:`CovapFilter.calibrate` sets K = ceil(CCR) in [1, 32].
 * Compression starts at ``start_iter`` (default 2), after DDP's bucket rebuild, like PowerSGD's
   ``start_powerSGD_iter``; the bucket layout is recorded during the dense iterations before it. A
-  state restored from a checkpoint into a fresh DDP synchronises densely until DDP has rebuilt its
-  buckets into the recorded layout, then continues the schedule with its residuals.
+  state restored from a checkpoint into a fresh DDP does not wait for DDP to rebuild its
+  buckets: each parameter is found by name in the recorded layout and compressed exactly as it would
+  have been there, so a resumed run continues the uninterrupted one.
 
 :class:`CovapFilter` (sharding, schedule, K and the residual memory) is the one object shared by the
 DDP hook here and DeAR's pipeline (:mod:`gradsync.algorithms.dear_covap`).
@@ -176,6 +177,8 @@ class CovapState(HookState):
         filter: the :class:`CovapFilter`.
         layouts: bucket index -> layout (parameter names and numels, or shapes) recorded during the
             dense start-up iterations.
+        remapped_buckets: buckets compressed through the recorded layout after a restore, before
+            DDP's bucket rebuild.
 
     Raises:
         ValueError: for arguments outside the ranges above.
@@ -190,6 +193,8 @@ class CovapState(HookState):
         self.param_names = parameter_names(model) if model is not None else None
         self.layouts: dict[int, Any] = {}
         self._awaiting_rebuild = False
+        self._param_index: Optional[dict[str, tuple[int, int]]] = None
+        self.remapped_buckets = 0
 
     @property
     def ratio(self) -> int:
@@ -212,6 +217,22 @@ class CovapState(HookState):
     def layout_of(self, bucket: dist.GradBucket) -> Any:
         return bucket_layout(bucket, self.param_names)
 
+    def recorded_numels(self) -> list[int]:
+        """Elements per bucket of the recorded layout, in bucket order."""
+        return [sum(_numels(self.layouts[i])) for i in range(len(self.layouts))]
+
+    def param_index(self) -> dict[str, tuple[int, int]]:
+        """Parameter name -> (recorded bucket index, element offset in it), for named layouts."""
+        if self._param_index is None:
+            self._param_index = {}
+            for b, layout in self.layouts.items():
+                off = 0
+                for item in layout:
+                    if _is_named((item,)):
+                        self._param_index[item[0]] = (b, off)
+                    off += _numels((item,))[0]
+        return self._param_index
+
     def config(self) -> dict[str, Any]:
         return {"algorithm": "covap", "start_iter": self.start_iter, **self.filter.config()}
 
@@ -219,6 +240,7 @@ class CovapState(HookState):
         s = super().stats()
         s.update(self.filter.stats())
         s["ef_discount"] = self.filter.discount(max(0, self.iteration - self.start_iter))
+        s["remapped_buckets"] = self.remapped_buckets
         return s
 
     def state_dict(self) -> dict[str, Any]:
@@ -226,9 +248,12 @@ class CovapState(HookState):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A fresh DDP has not rebuilt its buckets yet: until its
-        layout equals the recorded one, buckets are all-reduced densely (residuals kept)."""
+        layout equals the recorded one, each parameter is compressed exactly as in its recorded bucket
+        (found by name, so the run continues as if uninterrupted); without parameter names
+        (``model`` not given) those buckets are all-reduced densely and the residuals wait."""
         super().load_state_dict(state)
         self.layouts = {int(k): v for k, v in state["layouts"].items()}
+        self._param_index = None
         self.filter.load_state_dict(state["filter"])
         self._awaiting_rebuild = True
 
@@ -265,16 +290,19 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
         if not state._awaiting_rebuild:
             raise RuntimeError(f"COVAP bucket {index} holds {buf.numel()} elements in a layout that differs "
                                f"from the one recorded during warm-up; the bucket layout changed")
-        log.warning("COVAP: DDP has not rebuilt its buckets since the state was restored; bucket %d is "
-                    "all-reduced densely this iteration", index)
+        state.filter.plan_for(state.recorded_numels())
+        if state.param_names is not None and _is_named(layout) and all(
+                name in state.param_index() for name, _ in layout):
+            return _remapped_bucket(state, bucket, layout)
+        log.warning("COVAP: DDP has not rebuilt its buckets since the state was restored and the state has no "
+                    "parameter names (pass model=); bucket %d is all-reduced densely this iteration", index)
         fut = dense_allreduce(buf, state.process_group, state.count_collective)
         state.end_bucket(bucket)
         return fut
     if bucket.is_last():
         state._awaiting_rebuild = False
 
-    n = len(state.layouts)
-    state.filter.plan_for([sum(_numels(state.layouts[i])) for i in range(n)])
+    state.filter.plan_for(state.recorded_numels())
     with state.compression_timer():
         selected = state.filter.split(index, buf, t, t - state.start_iter)
         if selected is None:
@@ -297,6 +325,61 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
         return buf
 
     return work.get_future().then(scatter_back)
+
+
+def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) -> torch.futures.Future:
+    """COVAP on a bucket whose layout is not the recorded one (a fresh DDP before its bucket rebuild):
+    every parameter is found in the recorded layout by name, so each element gets exactly the error
+    feedback and the send decision it would have had in its recorded bucket; the selected elements
+    of all parameters of this bucket travel in one all-reduce."""
+    buf = bucket.buffer()
+    t = state.iteration
+    plan = state.filter.plan
+    memory = state.filter.memory
+    lam = state.filter.discount(t - state.start_iter)
+    where = state.param_index()
+    state.remapped_buckets += 1
+    sends, positions = [], []
+    with state.compression_timer():
+        cur = 0
+        for name, n in layout:
+            b, off = where[name]
+            x = buf[cur:cur + n].to(torch.float32, copy=True)
+            e = memory.residuals.get(b)
+            if e is not None:
+                x.add_(e[off:off + n], alpha=lam)
+            else:
+                e = memory.residuals[b] = torch.zeros(plan.numels[b], dtype=torch.float32, device=buf.device)
+            shard = plan.selected_shard(b, t)
+            if shard is not None:
+                c = plan.shards[b]
+                first = (shard - off) % c
+                sends.append(x[first::c].clone())
+                positions.append(torch.arange(cur + first, cur + n, c, device=buf.device))
+                x[first::c] = 0
+            e[off:off + n] = x
+            cur += n
+    if not sends:
+        buf.zero_()
+        state.buckets_skipped += 1
+        state.end_bucket(bucket)
+        return _completed(buf)
+    send = torch.cat(sends).to(buf.dtype).div_(state.world_size)
+    index = torch.cat(positions)
+    state.count_collective(send)
+    state.end_bucket(bucket)
+    work = dist.all_reduce(send, group=state.process_group, async_op=True)
+
+    def scatter_back(f: torch.futures.Future) -> torch.Tensor:
+        buf.zero_()
+        buf[index] = f.value()[0]
+        return buf
+
+    return work.get_future().then(scatter_back)
+
+
+def _is_named(layout: Any) -> bool:
+    return all(len(item) == 2 and isinstance(item[0], str) for item in layout)
 
 
 def _numels(layout: Any) -> list[int]:
