@@ -1,0 +1,337 @@
+"""Lightning and Accelerate integrations on real 2-process CPU (Gloo) jobs.
+
+Each framework runs one ``torchrun --nproc-per-node 2`` job (this file, executed as a script with the
+job name) that trains a small MLP on fixed synthetic data several times in the same processes and
+writes per-rank JSON; the tests read it. Settings shared by all runs: 2 ranks, batch 16 per rank,
+SGD(lr=0.05, momentum=0.9), DDP ``bucket_cap_mb=0.01`` (several buckets, so DDP's bucket rebuild after
+the first iteration changes the layout as in a real model).
+
+Tolerances: COVAP at K=1 sends the same averaged buckets as DDP's built-in all-reduce (divide by the
+world size, then SUM), so per-step losses must agree to 1e-6 (observed: bitwise). COVAP at K=4 runs
+``start_iter`` = 2 dense warm-up iterations, then each element is sent once every 4 iterations, so over
+16 compressed iterations (a multiple of K) the bytes sent equal a quarter of the dense bytes up to
+shard rounding (< 1 %).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+WORLD = 2
+BATCH = 16
+STEPS_PER_EPOCH = 6          # Lightning: optimizer steps per epoch per rank
+BUCKET_CAP_MB = 0.01
+K = 4
+WARMUP = 2                   # CovapState.start_iter (dense iterations)
+
+
+# ------------------------------------------------------------------------------------------------
+# Job code (runs inside the torchrun ranks)
+# ------------------------------------------------------------------------------------------------
+def _data(n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 32, generator=g)
+    w = torch.randn(32, 10, generator=g)
+    y = (x @ w + 0.5 * torch.randn(n, 10, generator=g)).argmax(1)
+    return x, y
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _residual_sums(state) -> dict[str, float]:
+    return {str(k): float(v.double().abs().sum()) for k, v in state.feedback.residuals.items()}
+
+
+def _lightning_job(out: Path) -> None:
+    import lightning.pytorch as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsync.integrations.lightning import GradsyncHook
+
+    torch.set_num_threads(1)
+    x, y = _data(WORLD * BATCH * STEPS_PER_EPOCH)
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, _):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    class Probe(Callback):
+        """Records the hook state the resumed fit starts training with."""
+
+        def __init__(self, hook):
+            self.hook, self.seen = hook, None
+
+        def on_train_start(self, trainer, pl_module):
+            s = self.hook.state
+            self.seen = {"iteration": s.iteration, "residuals": _residual_sums(s),
+                         "device": str(next(iter(s.feedback.residuals.values())).device)}
+
+    def fit(callbacks, epochs, ckpt_path=None, checkpoint=False):
+        model = Net()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=WORLD, max_epochs=epochs, callbacks=callbacks,
+            strategy=DDPStrategy(bucket_cap_mb=BUCKET_CAP_MB, process_group_backend="gloo"),
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=checkpoint, num_sanity_val_steps=0)
+        loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return model.losses
+
+    result: dict = {}
+    result["plain"] = fit([], 2)
+    k1 = GradsyncHook("covap", ratio=1)
+    result["k1"] = fit([k1], 2)
+    result["k1_stats"] = k1.stats()
+
+    # Uninterrupted K=4 run of 3 epochs, checkpointing after every epoch.
+    k4 = GradsyncHook("covap", ratio=K)
+    ckpt = ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1, every_n_epochs=1,
+                           filename="{epoch}")
+    result["k4"] = fit([k4, ckpt], 3, checkpoint=True)
+    result["k4_stats"] = k4.stats()
+
+    # Resume from the end of epoch 2 (12 iterations) with a fresh model, trainer and DDP.
+    hook = GradsyncHook("covap", ratio=K)
+    probe = Probe(hook)
+    try:
+        result["resumed"] = fit([hook, probe], 3, ckpt_path=str(out / "ckpt" / "epoch=1.ckpt"))
+        result["resumed_stats"] = hook.stats()
+    except Exception as exc:  # recorded for the test, which names the defect
+        result["resume_error"] = f"{type(exc).__name__}: {exc}"
+    result["resume_seen"] = probe.seen
+    rank = int(os.environ["RANK"])
+    (out / f"lightning_rank{rank}.json").write_text(json.dumps(result))
+
+
+def _accelerate_job(out: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from gradsync.integrations.accelerate import HookCheckpoint, register_hook
+
+    torch.set_num_threads(1)
+    accum, sync_steps = 2, WARMUP + 4 * K           # 18 optimizer steps, 16 of them compressed
+    micro = accum * sync_steps
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum,
+                              kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=BUCKET_CAP_MB)])
+    rank, world = accelerator.process_index, accelerator.num_processes
+    x, y = _data(world * BATCH * micro)
+    xs, ys = x[rank::world], y[rank::world]      # this rank's samples, micro-batch i = rows i*BATCH...
+
+    def run(record, algorithm=None, start=0, stop=micro, save_at=None, load_from=None, **options):
+        """Train micro-batches [start, stop); fills ``record`` as it goes (kept if training fails)."""
+        accelerator._models.clear()             # this shared Accelerator saves/loads only this run's
+        accelerator._optimizers.clear()         # model, optimizer and hook state
+        accelerator._custom_objects.clear()
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = accelerator.prepare(model, opt)
+        state = register_hook(model, algorithm, **options) if algorithm else None
+        if state is not None:
+            accelerator.register_for_checkpointing(HookCheckpoint(state, algorithm, accelerator.device))
+        if load_from is not None:
+            accelerator.load_state(load_from)
+            record["restored"] = {"iteration": state.iteration, "residuals": _residual_sums(state)}
+        record["losses"] = losses = []
+        accelerator.step = start
+        for i in range(start, stop):
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(xs[i * BATCH:(i + 1) * BATCH]), ys[i * BATCH:(i + 1) * BATCH])
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+            if save_at is not None and i + 1 == save_at:
+                accelerator.save_state(str(out / "acc_ckpt"))
+                record["saved"] = {"iteration": state.iteration, "residuals": _residual_sums(state)}
+        record["stats"] = state.stats() if state is not None else None
+        return record
+
+    result = {"plain": run({}), "k1": run({}, "covap", ratio=1)}
+    save_at = micro - 2 * K                       # after 14 optimizer steps
+    result["k4"] = run({}, "covap", ratio=K, save_at=save_at)
+    result["resumed"] = {}
+    try:
+        run(result["resumed"], "covap", ratio=K, start=save_at, load_from=str(out / "acc_ckpt"))
+    except Exception as exc:
+        result["resume_error"] = f"{type(exc).__name__}: {exc}"
+    (out / f"accelerate_rank{rank}.json").write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch helpers and tests (pytest process)
+# ------------------------------------------------------------------------------------------------
+def _launch(job: str, out: Path, timeout: float = 240.0) -> list[dict]:
+    from gradsync.comm.rendezvous import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    src = HERE.parent.parent / "src"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE), job, str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+class CovapLayoutBug(Exception):
+    """The resumed run hit the known COVAP restore defect (and nothing else)."""
+
+
+def _check_resume_error(record: dict) -> None:
+    error = record.get("resume_error")
+    if error is not None and "bucket layout changed" in error:
+        raise CovapLayoutBug(error)
+    assert error is None, error
+
+
+COVAP_LAYOUT_BUG = ("known COVAP defect (issue 10): a restored CovapState in a fresh DDP crashes the first "
+                    "backward ('bucket layout changed') because DDP has not rebuilt its buckets yet; the "
+                    "fix is in algorithms/covap.py")
+
+
+def _quarter(stats: dict, iterations: int) -> None:
+    """Bytes sent = WARMUP dense iterations + (iterations - WARMUP) / K dense iterations (< 1 %)."""
+    assert stats["iteration"] == iterations
+    per_iter = stats["dense_bytes"] / iterations
+    compressed_sent = stats["bytes_sent"] - WARMUP * per_iter
+    compressed_dense = (iterations - WARMUP) * per_iter
+    assert compressed_dense / compressed_sent == pytest.approx(K, rel=0.01)
+    assert stats["compression_ratio"] > 2.5
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("lightning")
+    return out, _launch("lightning", out)
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("accelerate")
+    return out, _launch("accelerate", out)
+
+
+def test_lightning_covap_k1_matches_plain_ddp(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        assert len(r["plain"]) == 2 * STEPS_PER_EPOCH
+        assert r["k1"] == pytest.approx(r["plain"], abs=1e-6, rel=0)
+        # the hook really ran (on CPU, where DDPStrategy(ddp_comm_hook=...) registers nothing)
+        assert r["k1_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
+        assert r["k1_stats"]["bytes_sent"] == r["k1_stats"]["dense_bytes"] > 0
+
+
+def test_lightning_covap_k4_sends_a_quarter(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        _quarter(r["k4_stats"], 3 * STEPS_PER_EPOCH)
+        # losses follow dense DDP until the first compressed update has been applied, then differ
+        assert r["k4"][:WARMUP + 1] == pytest.approx(r["plain"][:WARMUP + 1], abs=1e-6, rel=0)
+        assert r["k4"][WARMUP + 1:2 * STEPS_PER_EPOCH] != pytest.approx(r["plain"][WARMUP + 1:], abs=1e-6, rel=0)
+
+
+def test_lightning_checkpoint_saves_and_restores_hook_state(lightning_runs):
+    import torch
+
+    out, ranks = lightning_runs
+    ckpt = torch.load(out / "ckpt" / "epoch=1.ckpt", weights_only=True)
+    payload = ckpt["callbacks"]["GradsyncHook"]
+    assert payload["algorithm"] == "covap" and payload["world_size"] == WORLD
+    sums = []
+    for rank, entry in enumerate(payload["ranks"]):
+        assert entry["iteration"] == 2 * STEPS_PER_EPOCH and entry["ratio"] == K
+        residuals = entry["feedback"]["residuals"]
+        assert len(residuals) == len(entry["bucket_numels"]) >= 2
+        sums.append({str(k): float(v.double().abs().sum()) for k, v in residuals.items()})
+        assert all(s > 0 for s in sums[-1].values())
+        # the resumed fit starts training with exactly this rank's restored state
+        seen = ranks[rank]["resume_seen"]
+        assert seen is not None, ranks[rank].get("resume_error")
+        assert seen["iteration"] == 2 * STEPS_PER_EPOCH
+        assert seen["residuals"] == pytest.approx(sums[-1], rel=1e-12)
+        assert seen["device"] == "cpu"
+    assert sums[0] != sums[1]   # residuals are per rank: both ranks' entries are kept
+
+
+@pytest.mark.xfail(strict=True, raises=CovapLayoutBug, reason=COVAP_LAYOUT_BUG)
+def test_lightning_resumed_run_continues_exactly(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        _check_resume_error(r)
+        # the resumed epoch 3 repeats the uninterrupted run's epoch 3
+        assert r["resumed"] == pytest.approx(r["k4"][2 * STEPS_PER_EPOCH:], abs=1e-6, rel=0)
+        assert r["resumed_stats"]["iteration"] == 3 * STEPS_PER_EPOCH
+
+
+def test_accelerate_covap_k1_matches_plain_ddp_with_accumulation(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        assert r["k1"]["losses"] == pytest.approx(r["plain"]["losses"], abs=1e-6, rel=0)
+        # the hook ran once per optimizer step (accumulation skips communication on the others)
+        assert r["k1"]["stats"]["iteration"] == WARMUP + 4 * K
+        assert r["k1"]["stats"]["bytes_sent"] == r["k1"]["stats"]["dense_bytes"] > 0
+
+
+def test_accelerate_covap_k4_sends_a_quarter_with_accumulation(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        _quarter(r["k4"]["stats"], WARMUP + 4 * K)
+
+
+def test_accelerate_checkpoint_saves_and_restores_hook_state(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        saved, restored = r["k4"]["saved"], r["resumed"].get("restored")
+        assert restored is not None, r.get("resume_error")
+        assert saved["iteration"] == restored["iteration"] == WARMUP + 3 * K
+        assert restored["residuals"] == pytest.approx(saved["residuals"], rel=1e-12)
+        assert all(v > 0 for v in saved["residuals"].values())
+    assert ranks[0]["k4"]["saved"]["residuals"] != ranks[1]["k4"]["saved"]["residuals"]
+
+
+@pytest.mark.xfail(strict=True, raises=CovapLayoutBug, reason=COVAP_LAYOUT_BUG)
+def test_accelerate_resumed_run_continues_exactly(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        _check_resume_error(r)
+        assert r["resumed"]["losses"] == pytest.approx(r["k4"]["losses"][-2 * K:], abs=1e-6, rel=0)
+        assert r["resumed"]["stats"]["iteration"] == WARMUP + 4 * K
+
+
+if __name__ == "__main__":
+    {"lightning": _lightning_job, "accelerate": _accelerate_job}[sys.argv[1]](Path(sys.argv[2]))
