@@ -333,5 +333,94 @@ def test_accelerate_resumed_run_continues_exactly(accelerate_runs):
         assert r["resumed"]["stats"]["iteration"] == WARMUP + 4 * K
 
 
+# ------------------------------------------------------------------------------------------------
+# Error paths (no framework launch)
+# ------------------------------------------------------------------------------------------------
+def _register_on_plain_module(rank, world):
+    import torch
+
+    from gradsync.integrations.accelerate import register_hook
+
+    try:
+        register_hook(torch.nn.Linear(4, 2), "covap", ratio=2)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_accelerate_register_hook_refuses_an_unwrapped_model_in_a_multi_process_run():
+    from distributed import run_ranks
+
+    messages = run_ranks(_register_on_plain_module, 2, timeout=120, pg_timeout=60)
+    assert all(m is not None and "Accelerator(cpu=True)" in m and "2 processes" in m for m in messages)
+
+
+def test_accelerate_register_hook_warns_and_returns_none_in_one_process():
+    import torch
+
+    from gradsync.integrations.accelerate import register_hook
+
+    with pytest.warns(UserWarning, match="single-process"):
+        assert register_hook(torch.nn.Linear(4, 2), "covap", ratio=2) is None
+
+
+def test_lightning_hook_warns_and_registers_nothing_in_one_process(tmp_path):
+    pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    import lightning.pytorch as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsync.integrations.lightning import GradsyncHook
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, _):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    hook = GradsyncHook("covap", ratio=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[hook], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="single-process"):
+        trainer.fit(Net(), DataLoader(TensorDataset(*_data(64)), batch_size=16))
+    assert hook.state is None and hook.stats() == {}
+    with pytest.raises(ValueError, match="ratio"):
+        GradsyncHook("covap", ratio=0).setup(type("T", (), {"world_size": 2})(), None, "fit")
+
+
+def test_integrations_refuse_dear_and_bad_options():
+    from gradsync.integrations import build_state_and_hook
+
+    with pytest.raises(ValueError, match="gradsync.wrap"):
+        build_state_and_hook("dear")
+    with pytest.raises(ValueError, match="ratio"):
+        build_state_and_hook("covap", ratio=33)
+
+
+def test_load_hook_state_refuses_other_algorithm_world_size_or_format():
+    from gradsync.algorithms.covap import CovapState
+    from gradsync.integrations import gather_hook_state, load_hook_state
+
+    state = CovapState(ratio=4)
+    state.iteration = 7
+    payload = gather_hook_state("covap", state)       # one process: world size 1
+    fresh = CovapState(ratio=4)
+    load_hook_state("covap", fresh, payload, device="cpu")
+    assert fresh.iteration == 7
+    with pytest.raises(ValueError, match="algorithm 'covap'"):
+        load_hook_state("topk", fresh, payload)
+    with pytest.raises(ValueError, match="3 ranks"):
+        load_hook_state("covap", fresh, {**payload, "world_size": 3})
+    with pytest.raises(ValueError, match="format"):
+        load_hook_state("covap", fresh, {"iteration": 7})
+
+
 if __name__ == "__main__":
     {"lightning": _lightning_job, "accelerate": _accelerate_job}[sys.argv[1]](Path(sys.argv[2]))

@@ -5,7 +5,7 @@ Usage::
     from accelerate import Accelerator
     from gradsync.integrations.accelerate import HookCheckpoint, register_hook
 
-    accelerator = Accelerator(gradient_accumulation_steps=2)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     state = register_hook(model, "covap", ratio=4)      # before the first backward
     accelerator.register_for_checkpointing(HookCheckpoint(state, "covap", accelerator.device))
@@ -24,11 +24,14 @@ Gradient accumulation: inside ``accelerator.accumulate(model)`` Accelerate runs 
 micro-batches under ``model.no_sync()``; DDP then calls no hook, so the hook (and its ``iteration``
 counter) runs once per optimizer step on the accumulated gradient.
 
-Launching two CPU processes: ``accelerate launch --cpu --num_processes 2 script.py`` starts ONE
-process (``--cpu`` selects a single-process CPU run; multi-CPU launches need MPI), and
+Launching two CPU processes (Accelerate 1.15): ``accelerate launch --cpu --num_processes 2 script.py``
+starts ONE process (``--cpu`` selects a single-process CPU run; multi-CPU launches need MPI), and
 ``--multi_gpu --cpu`` is refused. What works on a CPU-only machine: ``accelerate launch --multi_gpu
---num_processes 2 script.py`` (without CUDA Accelerate falls back to MULTI_CPU with Gloo) or
-``torchrun --nproc-per-node 2 script.py``.
+--num_processes 2 script.py`` or ``torchrun --nproc-per-node 2 script.py``, with the script creating
+``Accelerator(cpu=True)`` (e.g. ``cpu=not torch.cuda.is_available()``): then Accelerate runs MULTI_CPU
+on Gloo and wraps the model in DDP. Without ``cpu=True`` both launchers start 2 processes that
+Accelerate treats as single-process runs (``num_processes == 1``, no DDP, no gradient
+synchronisation); :func:`register_hook` raises ``ValueError`` for that case.
 """
 
 from __future__ import annotations
@@ -74,8 +77,11 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
             warnings.warn("register_hook: single-process run, nothing to synchronise; no hook registered",
                           stacklevel=2)
             return None
-        raise ValueError(f"model must be the DistributedDataParallel returned by accelerator.prepare; got "
-                         f"{type(model).__name__} (FSDP and DeepSpeed have no DDP communication hooks)")
+        raise ValueError(
+            f"model must be the DistributedDataParallel returned by accelerator.prepare, since "
+            f"{world} processes run; got {type(model).__name__}. On a machine without CUDA create "
+            f"Accelerator(cpu=True): otherwise Accelerate treats each process as a single-process run and "
+            f"does not synchronise gradients at all. FSDP and DeepSpeed have no DDP communication hooks.")
     state, hook = build_state_and_hook(algorithm, process_group=process_group, model=ddp.module, **options)
     ddp.register_comm_hook(state, hook)
     return state
