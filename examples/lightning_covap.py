@@ -54,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ratio", type=int, default=4, help="COVAP's K (1..32)")
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (-1: epochs only)")
     p.add_argument("--batch-size", type=int, default=64, help="per process")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--devices", type=int, default=2)
@@ -66,7 +67,7 @@ def main() -> None:
     L.seed_everything(0)
     hook = GradsyncHook("covap", ratio=args.ratio)
     trainer = L.Trainer(accelerator=args.accelerator, devices=args.devices, strategy="ddp",
-                        max_epochs=args.epochs, logger=False,
+                        max_epochs=args.epochs, max_steps=args.max_steps, logger=False,
                         callbacks=[hook, ModelCheckpoint(dirpath=args.out, save_last=True)])
     loader = DataLoader(dataset(args), batch_size=args.batch_size, shuffle=True)
     trainer.fit(Classifier(), loader, ckpt_path=args.resume)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -331,6 +332,43 @@ def test_accelerate_resumed_run_continues_exactly(accelerate_runs):
         _check_resume_error(r)
         assert r["resumed"]["losses"] == pytest.approx(r["k4"]["losses"][-2 * K:], abs=1e-6, rel=0)
         assert r["resumed"]["stats"]["iteration"] == WARMUP + 4 * K
+
+
+# ------------------------------------------------------------------------------------------------
+# Examples, launched with the commands their docstrings give (synthetic data, a few steps)
+# ------------------------------------------------------------------------------------------------
+EXAMPLES = HERE.parent.parent / "examples"
+
+
+@pytest.mark.parametrize("launcher,script,args,needs", [
+    ("torchrun", "torchrun_covap.py", ["--synthetic", "--steps", "12"], None),
+    ("python", "lightning_covap.py", ["--synthetic", "--max-steps", "12"], "lightning"),
+    ("accelerate", "accelerate_covap.py", ["--synthetic", "--steps", "24"], "accelerate"),
+])
+def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, script, args, needs):
+    if needs:
+        pytest.importorskip(needs, reason="needs the integrations extra: pip install gradsync[integrations]")
+    from gradsync.comm.rendezvous import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent / "src"), env.get("PYTHONPATH", "")) if p)
+    target = [str(EXAMPLES / script), *args]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), *target]
+    elif launcher == "accelerate":   # the documented CPU command: --multi_gpu, the script sets cpu=True
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), *target]
+    else:                            # Lightning starts the second process itself
+        env["MASTER_PORT"] = str(free_port())
+        cmd = [sys.executable, *target, "--out", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # the two ranks' summary lines may interleave on the shared stdout
+    found = dict(re.findall(r"rank (\d): covap sent \d+ of \d+ dense bytes \(compression ([\d.]+)x", proc.stdout))
+    assert sorted(found) == ["0", "1"], proc.stdout[-2000:]
+    assert all(2.5 < float(r) <= 4.0 for r in found.values()), found   # K=4 after 2 dense iterations
 
 
 # ------------------------------------------------------------------------------------------------
