@@ -1,0 +1,145 @@
+"""Lightning integration: a ``Callback`` that puts a gradsync hook on ``DDPStrategy``'s model.
+
+Usage (any accelerator; ``strategy="ddp"``, ``"ddp_spawn"`` or a ``DDPStrategy``)::
+
+    from gradsync.integrations.lightning import GradsyncHook
+
+    hook = GradsyncHook("covap", ratio=4)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[hook])
+    trainer.fit(model, train_loader)
+    print(hook.state.stats())          # bytes_sent, dense_bytes, compression_ratio, ...
+
+Why a callback and not ``DDPStrategy(ddp_comm_hook=...)``: Lightning 2.6's ``DDPStrategy`` registers
+``ddp_comm_hook`` only when the root device is CUDA; on CPU it registers nothing and the run silently
+trains with plain all-reduce. The callback calls ``register_comm_hook`` on
+``trainer.strategy.model`` (the ``DistributedDataParallel`` wrapper) in ``on_fit_start``, which Lightning
+runs after ``DDPStrategy.setup`` has wrapped the model and before the first training step, whatever
+the device.
+
+Checkpoints: the callback's ``state_dict`` gathers every rank's hook state (COVAP's error-feedback
+residuals differ between ranks) into the checkpoint rank 0 writes, under
+``checkpoint["callbacks"]["GradsyncHook"]``; ``trainer.fit(ckpt_path=...)`` hands it back to
+``load_state_dict``, and the callback loads each rank's entry into the freshly built state in
+``on_fit_start``, after the model has been moved to its device and before training resumes (or in
+``on_train_start``, for strategies that restore after ``on_fit_start``). Resuming needs the same world
+size and algorithm.
+
+Each ``trainer.fit`` builds a fresh hook state (Lightning wraps the model in a new DDP per fit), unless
+it resumes from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from . import build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
+
+
+class GradsyncHook(Callback):
+    """Register gradsync algorithm ``algorithm`` as the DDP communication hook of a Lightning fit.
+
+    Args:
+        algorithm: a gradsync communication-hook algorithm (``covap``, ``topk``, ``powersgd``, ...; see
+            ``gradsync.algorithms.REGISTRY``). DeAR is not a hook and is refused.
+        process_group: group of the hook's collectives (``None`` = the default group Lightning set up).
+        options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32]),
+            ``density=0.01`` (top-k). Validated when the fit starts (``setup``), on every rank.
+
+    Attributes:
+        state: the hook state of the current fit (``stats()``: ``bytes_sent``, ``dense_bytes`` in
+            bytes, ``compression_ratio``, ``iteration``...), or ``None`` before the fit starts and in a
+            single-process run (nothing to synchronise, no hook).
+
+    Raises:
+        ValueError: (in ``setup``) for an unknown algorithm or options out of range; (in
+            ``load_state_dict``/``on_fit_start``) for a checkpoint of another algorithm or world size;
+            if ``DDPStrategy(ddp_comm_hook=...)`` is also given.
+        RuntimeError: (in ``on_fit_start``) if the strategy runs several processes but does not wrap
+            the model in ``DistributedDataParallel`` (FSDP, DeepSpeed: they have no DDP hooks).
+    """
+
+    def __init__(self, algorithm: str = "covap", process_group: Any = None, **options: Any):
+        self.algorithm = algorithm
+        self.process_group = process_group
+        self.options = dict(options)
+        self.state: Any = None
+        self._hook: Any = None
+        self._registered = False
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def state_key(self) -> str:
+        # Fixed key, so a checkpoint of another algorithm is found and refused instead of ignored.
+        return "GradsyncHook"
+
+    # -- fit lifecycle -------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Build the hook state (``stage == "fit"`` only): runs on every rank after the process group
+        exists and before DDP wraps ``pl_module``, so bad options fail before any training."""
+        if stage != "fit":
+            return
+        self.state, self._hook, self._registered = None, None, False
+        if trainer.world_size > 1:
+            self.state, self._hook = build_state_and_hook(
+                self.algorithm, process_group=self.process_group, model=pl_module, **self.options)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Register the hook on ``trainer.strategy.model`` and load a restored state into it."""
+        if self.state is None:
+            if trainer.world_size == 1:
+                rank_zero_warn("GradsyncHook: single-process run, nothing to synchronise; no hook registered")
+                self._pending = None
+                return
+            raise RuntimeError("GradsyncHook.setup was not called with stage='fit' before on_fit_start")
+        ddp = find_ddp(trainer.strategy.model)
+        if ddp is None:
+            raise RuntimeError(
+                f"GradsyncHook needs a strategy that wraps the model in DistributedDataParallel ('ddp', "
+                f"'ddp_spawn', DDPStrategy); {type(trainer.strategy).__name__} wraps it in "
+                f"{type(trainer.strategy.model).__name__}")
+        if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
+            raise ValueError("DDPStrategy(ddp_comm_hook=...) and GradsyncHook both set a DDP communication hook; "
+                             "pass the algorithm to GradsyncHook only")
+        ddp.register_comm_hook(self.state, self._hook)
+        self._registered = True
+        self._apply_pending(trainer)
+
+    def _apply_pending(self, trainer: pl.Trainer) -> None:
+        if self._pending is not None and self._registered:
+            payload, self._pending = self._pending, None
+            load_hook_state(self.algorithm, self.state, payload, device=trainer.strategy.root_device)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's hook state, gathered on rank 0 (a collective: called on all ranks by
+        ``trainer.save_checkpoint``, as Lightning requires); ``{}`` before a hook is registered."""
+        if self.state is None or not self._registered:
+            return {}
+        return gather_hook_state(self.algorithm, self.state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the checkpoint's hook state until the hook is registered (``on_fit_start``): Lightning
+        restores callbacks before ``DDPStrategy.setup`` has moved the model to its device."""
+        if not state_dict:
+            return
+        if state_dict.get("algorithm") != self.algorithm:
+            raise ValueError(f"checkpoint holds gradsync hook state of algorithm {state_dict.get('algorithm')!r}; "
+                             f"GradsyncHook uses {self.algorithm!r}")
+        self._pending = state_dict
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Load a checkpoint restored after ``on_fit_start`` (strategies with
+        ``restore_checkpoint_after_setup``); runs before the first training step."""
+        self._apply_pending(trainer)
+
+    def stats(self) -> dict[str, Any]:
+        """``state.stats()`` of the current fit (``{}`` when no hook is registered)."""
+        return self.state.stats() if self.state is not None else {}
+
+
+__all__ = ["GradsyncHook"]

@@ -1,0 +1,496 @@
+"""Lightning and Accelerate integrations on real 2-process CPU (Gloo) jobs.
+
+Each framework runs one ``torchrun --nproc-per-node 2`` job (this file, executed as a script with the
+job name) that trains a small MLP on fixed synthetic data several times in the same processes and
+writes per-rank JSON; the tests read it. Settings shared by all runs: 2 ranks, batch 16 per rank,
+SGD(lr=0.05, momentum=0.9), DDP ``bucket_cap_mb=0.01`` (several buckets, so DDP's bucket rebuild after
+the first iteration changes the layout as in a real model).
+
+Tolerances: COVAP at K=1 sends the same averaged buckets as DDP's built-in all-reduce (divide by the
+world size, then SUM), so per-step losses must agree to 1e-6 (observed: bitwise). COVAP at K=4 runs
+``start_iter`` = 2 dense warm-up iterations, then each element is sent once every 4 iterations, so over
+16 compressed iterations (a multiple of K) the bytes sent equal a quarter of the dense bytes up to
+shard rounding (< 1 %).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+WORLD = 2
+BATCH = 16
+STEPS_PER_EPOCH = 6          # Lightning: optimizer steps per epoch per rank
+BUCKET_CAP_MB = 0.01
+K = 4
+WARMUP = 2                   # CovapState.start_iter (dense iterations)
+
+
+# ------------------------------------------------------------------------------------------------
+# Job code (runs inside the torchrun ranks)
+# ------------------------------------------------------------------------------------------------
+def _data(n: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 32, generator=g)
+    w = torch.randn(32, 10, generator=g)
+    y = (x @ w + 0.5 * torch.randn(n, 10, generator=g)).argmax(1)
+    return x, y
+
+
+def _mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _residual_sums(state) -> dict[str, float]:
+    return {str(k): float(v.double().abs().sum()) for k, v in state.feedback.residuals.items()}
+
+
+def _lightning_job(out: Path) -> None:
+    import lightning.pytorch as L
+    import torch
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsync.integrations.lightning import GradsyncHook
+
+    torch.set_num_threads(1)
+    x, y = _data(WORLD * BATCH * STEPS_PER_EPOCH)
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+            self.losses: list[float] = []
+
+        def training_step(self, batch, _):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    class Probe(Callback):
+        """Records the hook state the resumed fit starts training with."""
+
+        def __init__(self, hook):
+            self.hook, self.seen = hook, None
+
+        def on_train_start(self, trainer, pl_module):
+            s = self.hook.state
+            self.seen = {"iteration": s.iteration, "residuals": _residual_sums(s),
+                         "device": str(next(iter(s.feedback.residuals.values())).device)}
+
+    def fit(callbacks, epochs, ckpt_path=None, checkpoint=False, bucket_cap_mb=BUCKET_CAP_MB):
+        model = Net()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=WORLD, max_epochs=epochs, callbacks=callbacks,
+            strategy=DDPStrategy(bucket_cap_mb=bucket_cap_mb, process_group_backend="gloo"),
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=checkpoint, num_sanity_val_steps=0)
+        loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return model.losses
+
+    result: dict = {}
+    result["plain"] = fit([], 2)
+    k1 = GradsyncHook("covap", ratio=1)
+    result["k1"] = fit([k1], 2)
+    result["k1_stats"] = k1.stats()
+
+    # Uninterrupted K=4 run of 3 epochs, checkpointing after every epoch, then a resume from the end of
+    # epoch 2 (12 iterations) with a fresh model, trainer and DDP; with several DDP buckets ("" keys)
+    # and with one bucket (DDP's default 25 MB cap, "single_" keys); "control_": one bucket at K=1 (all
+    # residuals zero, so where the restored residuals land cannot matter).
+    for prefix, cap, ratio in (("", BUCKET_CAP_MB, K), ("single_", 25.0, K), ("control_", 25.0, 1)):
+        k4 = GradsyncHook("covap", ratio=ratio)
+        ckpt = ModelCheckpoint(dirpath=str(out / f"{prefix}ckpt"), save_top_k=-1, every_n_epochs=1,
+                               filename="{epoch}")
+        result[prefix + "k4"] = fit([k4, ckpt], 3, checkpoint=True, bucket_cap_mb=cap)
+        result[prefix + "k4_stats"] = k4.stats()
+        hook = GradsyncHook("covap", ratio=ratio)
+        probe = Probe(hook)
+        try:
+            result[prefix + "resumed"] = fit([hook, probe], 3, bucket_cap_mb=cap,
+                                             ckpt_path=str(out / f"{prefix}ckpt" / "epoch=1.ckpt"))
+            result[prefix + "resumed_stats"] = hook.stats()
+        except Exception as exc:  # recorded for the test, which names the defect
+            result[prefix + "resume_error"] = f"{type(exc).__name__}: {exc}"
+        result[prefix + "resume_seen"] = probe.seen
+    rank = int(os.environ["RANK"])
+    (out / f"lightning_rank{rank}.json").write_text(json.dumps(result))
+
+
+def _accelerate_job(out: Path) -> None:
+    import torch
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from gradsync.integrations.accelerate import HookCheckpoint, register_hook
+
+    torch.set_num_threads(1)
+    accum, sync_steps = 2, WARMUP + 4 * K           # 18 optimizer steps, 16 of them compressed
+    micro = accum * sync_steps
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accum,
+                              kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=BUCKET_CAP_MB)])
+    rank, world = accelerator.process_index, accelerator.num_processes
+    x, y = _data(world * BATCH * micro)
+    xs, ys = x[rank::world], y[rank::world]      # this rank's samples, micro-batch i = rows i*BATCH...
+
+    def run(record, algorithm=None, start=0, stop=micro, save_at=None, load_from=None, **options):
+        """Train micro-batches [start, stop); fills ``record`` as it goes (kept if training fails)."""
+        accelerator._models.clear()             # this shared Accelerator saves/loads only this run's
+        accelerator._optimizers.clear()         # model, optimizer and hook state
+        accelerator._custom_objects.clear()
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = accelerator.prepare(model, opt)
+        state = register_hook(model, algorithm, **options) if algorithm else None
+        if state is not None:
+            accelerator.register_for_checkpointing(HookCheckpoint(state, algorithm, accelerator.device))
+        if load_from is not None:
+            accelerator.load_state(load_from)
+            record["restored"] = {"iteration": state.iteration, "residuals": _residual_sums(state)}
+        record["losses"] = losses = []
+        accelerator.step = start
+        for i in range(start, stop):
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(xs[i * BATCH:(i + 1) * BATCH]), ys[i * BATCH:(i + 1) * BATCH])
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+            if save_at is not None and i + 1 == save_at:
+                accelerator.save_state(str(out / "acc_ckpt"))
+                record["saved"] = {"iteration": state.iteration, "residuals": _residual_sums(state)}
+        record["stats"] = state.stats() if state is not None else None
+        return record
+
+    result = {"plain": run({}), "k1": run({}, "covap", ratio=1)}
+    save_at = micro - 2 * K                       # after 14 optimizer steps
+    result["k4"] = run({}, "covap", ratio=K, save_at=save_at)
+    result["resumed"] = {}
+    try:
+        run(result["resumed"], "covap", ratio=K, start=save_at, load_from=str(out / "acc_ckpt"))
+    except Exception as exc:
+        result["resume_error"] = f"{type(exc).__name__}: {exc}"
+    (out / f"accelerate_rank{rank}.json").write_text(json.dumps(result))
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch helpers and tests (pytest process)
+# ------------------------------------------------------------------------------------------------
+def _launch(job: str, out: Path, timeout: float = 240.0) -> list[dict]:
+    from gradsync.comm.rendezvous import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    src = HERE.parent.parent / "src"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE), job, str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+class CovapLayoutBug(Exception):
+    """The resumed run hit the known COVAP restore defect (and nothing else)."""
+
+
+def _check_resume_error(record: dict) -> None:
+    error = record.get("resume_error")
+    if error is not None and "bucket layout changed" in error:
+        raise CovapLayoutBug(error)
+    assert error is None, error
+
+
+COVAP_LAYOUT_BUG = ("known COVAP defect (issue 10): a restored CovapState in a fresh DDP crashes the first "
+                    "backward ('bucket layout changed') because DDP has not rebuilt its buckets yet; the "
+                    "fix is in algorithms/covap.py")
+
+
+COVAP_ORDER_BUG = ("known COVAP defect (issue 10), silent variant: with ONE DDP bucket the sizes match, so "
+                   "a restored CovapState does not crash, but a fresh DDP's first bucket holds the parameters "
+                   "in registration order and the rebuilt one in gradient-ready order, so the restored "
+                   "residuals are added to the wrong elements in the first iteration after the resume")
+
+
+def _quarter(stats: dict, iterations: int) -> None:
+    """Bytes sent = WARMUP dense iterations + (iterations - WARMUP) / K dense iterations (< 1 %)."""
+    assert stats["iteration"] == iterations
+    per_iter = stats["dense_bytes"] / iterations
+    compressed_sent = stats["bytes_sent"] - WARMUP * per_iter
+    compressed_dense = (iterations - WARMUP) * per_iter
+    assert compressed_dense / compressed_sent == pytest.approx(K, rel=0.01)
+    assert stats["compression_ratio"] > 2.5
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("lightning")
+    return out, _launch("lightning", out)
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("accelerate")
+    return out, _launch("accelerate", out)
+
+
+def test_lightning_covap_k1_matches_plain_ddp(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        assert len(r["plain"]) == 2 * STEPS_PER_EPOCH
+        assert r["k1"] == pytest.approx(r["plain"], abs=1e-6, rel=0)
+        # the hook really ran (on CPU, where DDPStrategy(ddp_comm_hook=...) registers nothing)
+        assert r["k1_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
+        assert r["k1_stats"]["bytes_sent"] == r["k1_stats"]["dense_bytes"] > 0
+
+
+def test_lightning_covap_k4_sends_a_quarter(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        _quarter(r["k4_stats"], 3 * STEPS_PER_EPOCH)
+        # losses follow dense DDP until the first compressed update has been applied, then differ
+        assert r["k4"][:WARMUP + 1] == pytest.approx(r["plain"][:WARMUP + 1], abs=1e-6, rel=0)
+        assert r["k4"][WARMUP + 1:2 * STEPS_PER_EPOCH] != pytest.approx(r["plain"][WARMUP + 1:], abs=1e-6, rel=0)
+
+
+def test_lightning_checkpoint_saves_and_restores_hook_state(lightning_runs):
+    import torch
+
+    out, ranks = lightning_runs
+    ckpt = torch.load(out / "ckpt" / "epoch=1.ckpt", weights_only=True)
+    payload = ckpt["callbacks"]["GradsyncHook"]
+    assert payload["algorithm"] == "covap" and payload["world_size"] == WORLD
+    sums = []
+    for rank, entry in enumerate(payload["ranks"]):
+        assert entry["iteration"] == 2 * STEPS_PER_EPOCH and entry["ratio"] == K
+        residuals = entry["feedback"]["residuals"]
+        assert len(residuals) == len(entry["bucket_numels"]) >= 2
+        sums.append({str(k): float(v.double().abs().sum()) for k, v in residuals.items()})
+        assert all(s > 0 for s in sums[-1].values())
+        # the resumed fit starts training with exactly this rank's restored state
+        seen = ranks[rank]["resume_seen"]
+        assert seen is not None, ranks[rank].get("resume_error")
+        assert seen["iteration"] == 2 * STEPS_PER_EPOCH
+        assert seen["residuals"] == pytest.approx(sums[-1], rel=1e-12)
+        assert seen["device"] == "cpu"
+    assert sums[0] != sums[1]   # residuals are per rank: both ranks' entries are kept
+
+
+@pytest.mark.xfail(strict=True, raises=CovapLayoutBug, reason=COVAP_LAYOUT_BUG)
+def test_lightning_resumed_run_continues_exactly(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        _check_resume_error(r)
+        # the resumed epoch 3 repeats the uninterrupted run's epoch 3
+        assert r["resumed"] == pytest.approx(r["k4"][2 * STEPS_PER_EPOCH:], abs=1e-6, rel=0)
+        assert r["resumed_stats"]["iteration"] == 3 * STEPS_PER_EPOCH
+
+
+def test_lightning_resume_continues_exactly_where_residuals_are_zero(lightning_runs):
+    """Control for the two xfails above: model, optimizer, loop and hook iteration resume exactly."""
+    _, ranks = lightning_runs
+    for r in ranks:
+        assert "control_resume_error" not in r, r.get("control_resume_error")
+        assert r["control_resume_seen"]["iteration"] == 2 * STEPS_PER_EPOCH
+        assert set(r["control_resume_seen"]["residuals"].values()) == {0.0}
+        assert r["control_resumed_stats"]["iteration"] == 3 * STEPS_PER_EPOCH
+        assert r["control_resumed"] == pytest.approx(r["control_k4"][2 * STEPS_PER_EPOCH:], abs=1e-6, rel=0)
+        assert r["control_k4"][:2 * STEPS_PER_EPOCH] == pytest.approx(r["plain"], abs=1e-6, rel=0)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=COVAP_ORDER_BUG)
+def test_lightning_resumed_run_continues_exactly_with_one_bucket(lightning_runs):
+    _, ranks = lightning_runs
+    for r in ranks:
+        assert "single_resume_error" not in r, r.get("single_resume_error")
+        _quarter(r["single_k4_stats"], 3 * STEPS_PER_EPOCH)
+        assert r["single_resume_seen"]["iteration"] == 2 * STEPS_PER_EPOCH
+        assert r["single_resumed_stats"]["iteration"] == 3 * STEPS_PER_EPOCH
+        assert r["single_resumed"] == pytest.approx(r["single_k4"][2 * STEPS_PER_EPOCH:], abs=1e-6, rel=0)
+
+
+def test_accelerate_covap_k1_matches_plain_ddp_with_accumulation(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        assert r["k1"]["losses"] == pytest.approx(r["plain"]["losses"], abs=1e-6, rel=0)
+        # the hook ran once per optimizer step (accumulation skips communication on the others)
+        assert r["k1"]["stats"]["iteration"] == WARMUP + 4 * K
+        assert r["k1"]["stats"]["bytes_sent"] == r["k1"]["stats"]["dense_bytes"] > 0
+
+
+def test_accelerate_covap_k4_sends_a_quarter_with_accumulation(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        _quarter(r["k4"]["stats"], WARMUP + 4 * K)
+
+
+def test_accelerate_checkpoint_saves_and_restores_hook_state(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        saved, restored = r["k4"]["saved"], r["resumed"].get("restored")
+        assert restored is not None, r.get("resume_error")
+        assert saved["iteration"] == restored["iteration"] == WARMUP + 3 * K
+        assert restored["residuals"] == pytest.approx(saved["residuals"], rel=1e-12)
+        assert all(v > 0 for v in saved["residuals"].values())
+    assert ranks[0]["k4"]["saved"]["residuals"] != ranks[1]["k4"]["saved"]["residuals"]
+
+
+@pytest.mark.xfail(strict=True, raises=CovapLayoutBug, reason=COVAP_LAYOUT_BUG)
+def test_accelerate_resumed_run_continues_exactly(accelerate_runs):
+    _, ranks = accelerate_runs
+    for r in ranks:
+        _check_resume_error(r)
+        assert r["resumed"]["losses"] == pytest.approx(r["k4"]["losses"][-2 * K:], abs=1e-6, rel=0)
+        assert r["resumed"]["stats"]["iteration"] == WARMUP + 4 * K
+
+
+# ------------------------------------------------------------------------------------------------
+# Examples, launched with the commands their docstrings give (synthetic data, a few steps)
+# ------------------------------------------------------------------------------------------------
+EXAMPLES = HERE.parent.parent / "examples"
+
+
+@pytest.mark.parametrize("launcher,script,args,needs", [
+    ("torchrun", "torchrun_covap.py", ["--synthetic", "--steps", "12"], None),
+    ("python", "lightning_covap.py", ["--synthetic", "--max-steps", "12"], "lightning"),
+    ("accelerate", "accelerate_covap.py", ["--synthetic", "--steps", "24"], "accelerate"),
+])
+def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, script, args, needs):
+    if needs:
+        pytest.importorskip(needs, reason="needs the integrations extra: pip install gradsync[integrations]")
+    from gradsync.comm.rendezvous import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent / "src"), env.get("PYTHONPATH", "")) if p)
+    target = [str(EXAMPLES / script), *args]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), *target]
+    elif launcher == "accelerate":   # the documented CPU command: --multi_gpu, the script sets cpu=True
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), *target]
+    else:                            # Lightning starts the second process itself
+        env["MASTER_PORT"] = str(free_port())
+        cmd = [sys.executable, *target, "--out", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # the two ranks' summary lines may interleave on the shared stdout
+    found = dict(re.findall(r"rank (\d): covap sent \d+ of \d+ dense bytes \(compression ([\d.]+)x", proc.stdout))
+    assert sorted(found) == ["0", "1"], proc.stdout[-2000:]
+    assert all(2.5 < float(r) <= 4.0 for r in found.values()), found   # K=4 after 2 dense iterations
+
+
+# ------------------------------------------------------------------------------------------------
+# Error paths (no framework launch)
+# ------------------------------------------------------------------------------------------------
+def _register_on_plain_module(rank, world):
+    import torch
+
+    from gradsync.integrations.accelerate import register_hook
+
+    try:
+        register_hook(torch.nn.Linear(4, 2), "covap", ratio=2)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_accelerate_register_hook_refuses_an_unwrapped_model_in_a_multi_process_run():
+    from distributed import run_ranks
+
+    messages = run_ranks(_register_on_plain_module, 2, timeout=120, pg_timeout=60)
+    assert all(m is not None and "Accelerator(cpu=True)" in m and "2 processes" in m for m in messages)
+
+
+def test_accelerate_register_hook_warns_and_returns_none_in_one_process():
+    import torch
+
+    from gradsync.integrations.accelerate import register_hook
+
+    with pytest.warns(UserWarning, match="single-process"):
+        assert register_hook(torch.nn.Linear(4, 2), "covap", ratio=2) is None
+
+
+def test_lightning_hook_warns_and_registers_nothing_in_one_process(tmp_path):
+    pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    import lightning.pytorch as L
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsync.integrations.lightning import GradsyncHook
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, _):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    hook = GradsyncHook("covap", ratio=4)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[hook], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    with pytest.warns(UserWarning, match="single-process"):
+        trainer.fit(Net(), DataLoader(TensorDataset(*_data(64)), batch_size=16))
+    assert hook.state is None and hook.stats() == {}
+    with pytest.raises(ValueError, match="ratio"):
+        GradsyncHook("covap", ratio=0).setup(type("T", (), {"world_size": 2})(), None, "fit")
+
+
+def test_integrations_refuse_dear_and_bad_options():
+    from gradsync.integrations import build_state_and_hook
+
+    with pytest.raises(ValueError, match="gradsync.wrap"):
+        build_state_and_hook("dear")
+    with pytest.raises(ValueError, match="ratio"):
+        build_state_and_hook("covap", ratio=33)
+
+
+def test_load_hook_state_refuses_other_algorithm_world_size_or_format():
+    from gradsync.algorithms.covap import CovapState
+    from gradsync.integrations import gather_hook_state, load_hook_state
+
+    state = CovapState(ratio=4)
+    state.iteration = 7
+    payload = gather_hook_state("covap", state)       # one process: world size 1
+    fresh = CovapState(ratio=4)
+    load_hook_state("covap", fresh, payload, device="cpu")
+    assert fresh.iteration == 7
+    with pytest.raises(ValueError, match="algorithm 'covap'"):
+        load_hook_state("topk", fresh, payload)
+    with pytest.raises(ValueError, match="3 ranks"):
+        load_hook_state("covap", fresh, {**payload, "world_size": 3})
+    with pytest.raises(ValueError, match="format"):
+        load_hook_state("covap", fresh, {"iteration": 7})
+
+
+if __name__ == "__main__":
+    {"lightning": _lightning_job, "accelerate": _accelerate_job}[sys.argv[1]](Path(sys.argv[2]))
