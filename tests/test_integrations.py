@@ -55,7 +55,7 @@ def _mlp():
 
 
 def _residual_sums(state) -> dict[str, float]:
-    return {str(k): float(v.double().abs().sum()) for k, v in state.feedback.residuals.items()}
+    return {str(k): float(v.double().abs().sum()) for k, v in state.filter.memory.residuals.items()}
 
 
 def _lightning_job(out: Path) -> None:
@@ -94,7 +94,7 @@ def _lightning_job(out: Path) -> None:
         def on_train_start(self, trainer, pl_module):
             s = self.hook.state
             self.seen = {"iteration": s.iteration, "residuals": _residual_sums(s),
-                         "device": str(next(iter(s.feedback.residuals.values())).device)}
+                         "device": str(next(iter(s.filter.memory.residuals.values())).device)}
 
     def fit(callbacks, epochs, ckpt_path=None, checkpoint=False, bucket_cap_mb=BUCKET_CAP_MB):
         model = Net()
@@ -210,26 +210,9 @@ def _launch(job: str, out: Path, timeout: float = 240.0) -> list[dict]:
     return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-class CovapLayoutBug(Exception):
-    """The resumed run hit the known COVAP restore defect (and nothing else)."""
-
-
 def _check_resume_error(record: dict) -> None:
     error = record.get("resume_error")
-    if error is not None and "bucket layout changed" in error:
-        raise CovapLayoutBug(error)
     assert error is None, error
-
-
-COVAP_LAYOUT_BUG = ("known COVAP defect (issue 10): a restored CovapState in a fresh DDP crashes the first "
-                    "backward ('bucket layout changed') because DDP has not rebuilt its buckets yet; the "
-                    "fix is in algorithms/covap.py")
-
-
-COVAP_ORDER_BUG = ("known COVAP defect (issue 10), silent variant: with ONE DDP bucket the sizes match, so "
-                   "a restored CovapState does not crash, but a fresh DDP's first bucket holds the parameters "
-                   "in registration order and the rebuilt one in gradient-ready order, so the restored "
-                   "residuals are added to the wrong elements in the first iteration after the resume")
 
 
 def _quarter(stats: dict, iterations: int) -> None:
@@ -284,9 +267,9 @@ def test_lightning_checkpoint_saves_and_restores_hook_state(lightning_runs):
     assert payload["algorithm"] == "covap" and payload["world_size"] == WORLD
     sums = []
     for rank, entry in enumerate(payload["ranks"]):
-        assert entry["iteration"] == 2 * STEPS_PER_EPOCH and entry["ratio"] == K
-        residuals = entry["feedback"]["residuals"]
-        assert len(residuals) == len(entry["bucket_numels"]) >= 2
+        assert entry["iteration"] == 2 * STEPS_PER_EPOCH and entry["filter"]["ratio"] == K
+        residuals = entry["filter"]["memory"]["residuals"]
+        assert len(residuals) == len(entry["layouts"]) >= 2
         sums.append({str(k): float(v.double().abs().sum()) for k, v in residuals.items()})
         assert all(s > 0 for s in sums[-1].values())
         # the resumed fit starts training with exactly this rank's restored state
@@ -298,7 +281,6 @@ def test_lightning_checkpoint_saves_and_restores_hook_state(lightning_runs):
     assert sums[0] != sums[1]   # residuals are per rank: both ranks' entries are kept
 
 
-@pytest.mark.xfail(strict=True, raises=CovapLayoutBug, reason=COVAP_LAYOUT_BUG)
 def test_lightning_resumed_run_continues_exactly(lightning_runs):
     _, ranks = lightning_runs
     for r in ranks:
@@ -309,7 +291,7 @@ def test_lightning_resumed_run_continues_exactly(lightning_runs):
 
 
 def test_lightning_resume_continues_exactly_where_residuals_are_zero(lightning_runs):
-    """Control for the two xfails above: model, optimizer, loop and hook iteration resume exactly."""
+    """Control for the resume tests: model, optimizer, loop and hook iteration resume exactly."""
     _, ranks = lightning_runs
     for r in ranks:
         assert "control_resume_error" not in r, r.get("control_resume_error")
@@ -320,7 +302,6 @@ def test_lightning_resume_continues_exactly_where_residuals_are_zero(lightning_r
         assert r["control_k4"][:2 * STEPS_PER_EPOCH] == pytest.approx(r["plain"], abs=1e-6, rel=0)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=COVAP_ORDER_BUG)
 def test_lightning_resumed_run_continues_exactly_with_one_bucket(lightning_runs):
     _, ranks = lightning_runs
     for r in ranks:
@@ -357,7 +338,6 @@ def test_accelerate_checkpoint_saves_and_restores_hook_state(accelerate_runs):
     assert ranks[0]["k4"]["saved"]["residuals"] != ranks[1]["k4"]["saved"]["residuals"]
 
 
-@pytest.mark.xfail(strict=True, raises=CovapLayoutBug, reason=COVAP_LAYOUT_BUG)
 def test_accelerate_resumed_run_continues_exactly(accelerate_runs):
     _, ranks = accelerate_runs
     for r in ranks:

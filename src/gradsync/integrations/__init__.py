@@ -44,9 +44,9 @@ def build_state_and_hook(algorithm: str, process_group: dist.ProcessGroup | None
     Raises:
         ValueError: for an unknown or DeAR ``algorithm``, or options out of range.
     """
-    from ..algorithms import DEAR_ALGORITHMS, build_hook
+    from ..algorithms import build_hook, get
 
-    if algorithm in DEAR_ALGORITHMS:
+    if get(algorithm).make_hook is None:
         raise ValueError(
             f"algorithm must be a DDP communication-hook algorithm; {algorithm!r} replaces DDP: use "
             "gradsync.wrap(model, optimizer, algorithm) in a loop that owns the optimizer step "
