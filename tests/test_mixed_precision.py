@@ -11,6 +11,7 @@ from distributed import run_ranks
 from gradsync.algorithms import REGISTRY, build_hook
 from gradsync.algorithms.covap import CovapFilter
 from gradsync.feedback.residual import ResidualMemory
+from gradsync.profiler.ccr import ddp_bucket_numels
 
 HOOKS = sorted(n for n, spec in REGISTRY.items() if spec.make_hook is not None)
 OPTIONS = {"ratio": 2, "density": 0.1}
@@ -67,6 +68,8 @@ def train_low_precision(rank, world, dtypes):
                 "residual_dtypes": sorted({str(r.dtype) for r in residuals}),
                 "residuals": len(residuals),
                 "stats": state.stats(),
+                "bucket_numels": ddp_bucket_numels(ddp),
+                "numel": sum(p.numel() for p in model.parameters()),
             }
     return out
 
@@ -128,3 +131,29 @@ def test_residual_memory_is_float32_for_low_precision_gradients():
         mem.store(1, g)
         assert mem.residuals[1].dtype == torch.float32
         mem.clear()
+
+
+@pytest.mark.parametrize("dtype", ["torch.bfloat16", "torch.float16"])
+def test_bucket_numels_of_16_bit_buckets(low_precision_runs, dtype):
+    run = low_precision_runs[0][(dtype, "allreduce")]
+    assert sum(run["bucket_numels"]) == run["numel"]
+
+
+class _FakeDDP:
+    """What ``ddp_bucket_numels`` reads of a DDP object: its module and logging data."""
+
+    def __init__(self, module, bucket_bytes):
+        self.module, self._sizes = module, ", ".join(str(b) for b in bucket_bytes)
+
+    def _get_ddp_logging_data(self):
+        return {"bucket_sizes": self._sizes}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bucket_numels_divide_bytes_by_the_parameter_size(dtype):
+    """DDP reports bucket sizes in bytes; 2-byte parameters give twice as many elements per byte."""
+    module = nn.Sequential(nn.Linear(10, 100), nn.Linear(100, 10)).to(dtype)  # 1100 + 1010 elements
+    size = torch.empty(0, dtype=dtype).element_size()
+    assert ddp_bucket_numels(_FakeDDP(module, [1010 * size, 1100 * size])) == [1010, 1100]
+    mixed = nn.Sequential(nn.Linear(10, 100), nn.Linear(100, 10).to(torch.bfloat16))
+    assert ddp_bucket_numels(_FakeDDP(mixed, [1010 * 2, 1100 * 4])) == [2110]  # mixed dtypes: one total
