@@ -123,14 +123,21 @@ class CovapFilter:
         return self.plan
 
     def split(self, key: int, flat: torch.Tensor, iteration: int, ef_step: int,
-              layout: Any = None) -> Optional[Tuple[int, int, torch.Tensor]]:
-        """Error-compensate bucket ``key``'s flat gradient (1-D, ``plan.numels[key]`` elements, not
-        modified) and select this iteration's shard; the unsent rest becomes the residual.
+              layout: Any = None,
+              send_dtype: Optional[torch.dtype] = None) -> Optional[Tuple[int, int, torch.Tensor]]:
+        """Error-compensate bucket ``key``'s flat gradient (1-D, ``plan.numels[key]`` elements, any
+        floating dtype, not modified) and select this iteration's shard; the unsent rest becomes the
+        residual, kept in float32 on ``flat``'s device.
+
+        Args:
+            send_dtype: dtype of the returned values (default float32). A narrower dtype (the
+                bucket's bfloat16/float16) sends what the bucket holds; the rounding error of the
+                selected values stays in the residual, so no gradient mass is lost.
 
         Returns:
             ``None`` if the bucket sends nothing at ``iteration``, else ``(shard, c, values)`` with
-            ``values = x[shard::c]`` (float32, ``ceil((n - shard) / c)`` elements, local and not yet
-            averaged) for ``c`` shards of the bucket.
+            ``values = x[shard::c]`` (``send_dtype``, ``ceil((n - shard) / c)`` elements, local and
+            not yet averaged) for ``c`` shards of the bucket.
         """
         x = self.memory.compensate(flat, key, layout, step=ef_step)
         shard = self.plan.selected_shard(key, iteration)
@@ -139,7 +146,12 @@ class CovapFilter:
             return None
         c = self.plan.shards[key]
         values = x[shard::c].clone()
-        x[shard::c] = 0
+        if send_dtype is None or send_dtype == torch.float32:
+            x[shard::c] = 0
+        else:
+            sent = values.to(send_dtype)
+            x[shard::c] = values - sent.to(torch.float32)
+            values = sent
         self.memory.store(key, x)
         return shard, c, values
 
@@ -267,9 +279,12 @@ def _completed(buf: torch.Tensor) -> torch.futures.Future:
 def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook applying COVAP to one bucket.
 
-    ``bucket.buffer()`` is the local flat gradient, float ``[numel]``; the returned future holds the
-    averaged gradient of the same shape with unsent positions zero. Bytes counted: the contiguous
-    shard handed to ``all_reduce`` (``numel / c_b`` elements) or nothing for a dropped bucket.
+    ``bucket.buffer()`` is the local flat gradient, ``[numel]`` of the parameters' floating dtype
+    (float32, bfloat16 or float16) on their device; the returned future holds the averaged gradient
+    of the same shape, dtype and device with unsent positions zero. The shard is sent in the
+    bucket's dtype (as DDP's own reduction does); residuals are kept in float32. Bytes counted: the
+    contiguous shard handed to ``all_reduce`` (``numel / c_b`` elements) or nothing for a dropped
+    bucket.
 
     Raises:
         RuntimeError: if the bucket layout differs from the one recorded during warm-up (other than
@@ -304,7 +319,7 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     state.filter.plan_for(state.recorded_numels())
     with state.compression_timer():
-        selected = state.filter.split(index, buf, t, t - state.start_iter)
+        selected = state.filter.split(index, buf, t, t - state.start_iter, send_dtype=buf.dtype)
         if selected is None:
             buf.zero_()
         else:

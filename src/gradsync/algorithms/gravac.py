@@ -195,8 +195,9 @@ class GravacState(HookState):
 
         return count
 
-    def _end_of_step(self, rec: dict[str, Any]) -> None:
-        """Last bucket: all-reduce this step's statistics and update the controller (hook body only)."""
+    def _end_of_step(self, rec: dict[str, Any], device: torch.device) -> None:
+        """Last bucket: all-reduce this step's statistics (float64 ``[8]`` on ``device``, the
+        bucket's device) and update the controller (hook body only)."""
         now = time.perf_counter()
         timed = self.batch_size / (now - self._last_time) if self._last_time is not None else 0.0
         timed_flag = 1.0 if self._last_time is not None else 0.0
@@ -207,7 +208,7 @@ class GravacState(HookState):
             vec = torch.tensor(
                 [rec["ng"], rec["nmin"], rec["nc"], float(rec["has_c"]),
                  self._recorded or 0.0, rec_flag, timed, timed_flag],
-                dtype=torch.float64,
+                dtype=torch.float64, device=device,
             )
             self.count_collective(vec)
             rec["bytes_sent"] += vec.numel() * vec.element_size()
@@ -310,7 +311,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
         rec["numel"] += buf.numel()
         fut = dense_allreduce(buf, group, count)
         if bucket.is_last():
-            state._end_of_step(rec)
+            state._end_of_step(rec, buf.device)
         state.end_bucket(bucket)
         return fut
 
@@ -351,7 +352,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
         rec["numel"] += ctx.numel
         fut = communicate(comp, payload, ctx, group, count, state.compression_timer)
     if bucket.is_last():
-        state._end_of_step(rec)
+        state._end_of_step(rec, buf.device)
     state.end_bucket(bucket)
 
     def write_back(f: torch.futures.Future) -> torch.Tensor:

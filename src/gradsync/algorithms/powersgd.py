@@ -5,6 +5,12 @@ The compression itself is ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD
 works only with a single DDP bucket (its ``.then`` callbacks launch collectives, which Gloo runs in a
 different order on different ranks when several buckets are in flight), so DDP gets one bucket for it.
 Bytes sent are read from torch's own element counters (``total_numel_after_compression``).
+
+Low-precision parameters: torch's hook keeps its error-feedback residual and its factors P, Q in the
+bucket's dtype. For bfloat16/float16 buckets the compressed steps run it on a float32 copy of the
+bucket (residuals, P and Q in float32; the result is cast back into the bucket), so residuals are
+not rounded to 8 (bf16) or 11 (fp16) significant bits; the dense warm-up steps all-reduce the bucket
+in its own dtype, as DDP does.
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
@@ -65,16 +71,51 @@ class PowerSGDHookState(HookState):
         self.torch_state.process_group = self.process_group or dist.distributed_c10d._get_default_group()
 
 
+class _Float32Bucket:
+    """A float32 copy of a DDP ``GradBucket`` with the methods torch's ``powerSGD_hook`` calls
+    (``buffer``, ``gradients``, ``index``, ``is_last``); per-parameter gradients are views of the
+    copy at the offsets they have in the original bucket."""
+
+    def __init__(self, bucket: Any):
+        self._bucket = bucket
+        orig = bucket.buffer()
+        self._buffer = orig.to(torch.float32)
+        base, size = orig.data_ptr(), orig.element_size()
+        self._gradients = []
+        for g in bucket.gradients():
+            off = (g.data_ptr() - base) // size
+            self._gradients.append(self._buffer[off:off + g.numel()].view(g.shape))
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def gradients(self) -> list:
+        return self._gradients
+
+    def index(self) -> int:
+        return self._bucket.index()
+
+    def is_last(self) -> bool:
+        return self._bucket.is_last()
+
+
 def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook`` on ``bucket`` (float32 ``[numel]``), counting the elements it sends."""
+    """torch's ``powerSGD_hook`` on ``bucket`` (``[numel]`` of float32, or of bfloat16/float16, then
+    compressed through a float32 copy: see the module docstring), counting the bytes it sends."""
     buf = bucket.buffer()
     ts = state.torch_state
     before = ts.total_numel_after_compression
+    low_precision = buf.dtype in (torch.float16, torch.bfloat16) and ts.iter >= ts.start_powerSGD_iter
     with state.compression_timer():
-        fut = torch_powersgd.powerSGD_hook(ts, bucket)
+        if low_precision:
+            copy = _Float32Bucket(bucket)
+            fut = torch_powersgd.powerSGD_hook(ts, copy).then(lambda f: buf.copy_(f.value()))
+        else:
+            fut = torch_powersgd.powerSGD_hook(ts, bucket)
     sent = ts.total_numel_after_compression - before
     state.collectives += 1 if sent == 0 else 2
-    state.bytes_sent += (sent if sent else buf.numel()) * buf.element_size()
+    itemsize = 4 if low_precision else buf.element_size()
+    state.bytes_sent += (sent if sent else buf.numel()) * itemsize
     state.end_bucket(bucket)
     return fut
 

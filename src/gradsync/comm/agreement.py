@@ -14,7 +14,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from .collectives import all_gather_flat
+from .collectives import all_gather_flat, collective_device
 
 
 class ConfigMismatchError(RuntimeError):
@@ -37,14 +37,17 @@ def config_digest(config: Mapping[str, Any]) -> bytes:
 def check_config_agreement(config: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> None:
     """Collective: raise :class:`ConfigMismatchError` on every rank unless all configs are equal.
 
-    Costs one all-gather of 32 bytes per rank when the configurations agree.
+    Costs one all-gather of 32 bytes per rank when the configurations agree; the digest travels as
+    a uint8 tensor on :func:`~gradsync.comm.collectives.collective_device` of ``group`` (CUDA for
+    NCCL, CPU for Gloo).
 
     Raises:
         ConfigMismatchError: naming each differing field and its value on every rank.
     """
     world = dist.get_world_size(group)
-    mine = torch.frombuffer(bytearray(config_digest(config)), dtype=torch.uint8)
-    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8)
+    device = collective_device(group)
+    mine = torch.frombuffer(bytearray(config_digest(config)), dtype=torch.uint8).to(device)
+    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
     all_gather_flat(gathered, mine, group=group)
     if all(torch.equal(gathered.view(world, -1)[r], mine) for r in range(world)):
         return

@@ -19,6 +19,39 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 """``reduce_scatter_flat(output [n], input [P*n], op=SUM, group=None, async_op=False)``."""
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device whose tensors ``group``'s backend takes for collectives that describe no data of
+    their own (configuration digests, timings, statistics).
+
+    ``torch.device("cpu")`` for a Gloo (or MPI) group and for a group with several backends one of
+    which serves the CPU (``"cpu:gloo,cuda:nccl"``); for an accelerator-only group (NCCL, XCCL, ...)
+    the accelerator this process uses (``torch.cuda.current_device()`` for NCCL), since NCCL accepts
+    CUDA tensors only. Tensors that describe data (a gradient bucket, a payload) should instead
+    live on that data's device.
+
+    Raises:
+        ValueError: if no process group is initialised (from ``torch.distributed``).
+    """
+    kinds = _device_types(group)
+    if not kinds or "cpu" in kinds:
+        return torch.device("cpu")
+    kind = kinds[0]
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device"):
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def _device_types(group: dist.ProcessGroup | None) -> list[str]:
+    """Device types ``group`` supports ("cpu", "cuda", ...), from the group or its backend name."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    kinds = getattr(pg, "_device_types", None)
+    if kinds is not None:
+        return [d.type for d in kinds]
+    backend = str(dist.get_backend(group)).lower()  # older torch: infer from the backend name
+    return ["cpu"] if "gloo" in backend or "mpi" in backend else ["cuda"]
+
+
 def dense_allreduce(x: torch.Tensor, group: dist.ProcessGroup | None = None,
                     counter: Callable[..., None] | None = None) -> torch.futures.Future:
     """Average ``x`` (any shape and floating dtype) over ranks in place: ``x /= P``, then one

@@ -24,7 +24,7 @@ from typing import Callable, ContextManager, Sequence
 import torch
 import torch.distributed as dist
 
-from gradsync.comm.collectives import all_gather_flat
+from gradsync.comm.collectives import all_gather_flat, collective_device
 from gradsync.compressors.base import Compressor, Ctx, Payload
 
 Counter = Callable[..., None]
@@ -71,7 +71,9 @@ def allgather_payload(
 ) -> torch.futures.Future:
     """All-gather payloads whose tensor sizes differ between ranks (padded to the maximum).
 
-    Every rank must pass the same number of tensors with the same dtypes (sizes may differ).
+    Every rank must pass the same number of tensors with the same dtypes (sizes may differ), all on
+    one device (the payload's; the sizes and the packed bytes travel on it, so NCCL gets CUDA
+    tensors for a CUDA payload).
     Two collectives: a blocking all-gather of the sizes (int64 ``[P * m]`` for m tensors), then an
     asynchronous ``all_gather_into_tensor`` of the packed bytes (uint8 ``[P * max_bytes]``).
     With ``fixed_size=True`` (the caller guarantees equal sizes on every rank, e.g. top-k) the
@@ -81,19 +83,22 @@ def allgather_payload(
         Future of a list (one entry per rank, in rank order) of payload tuples, unpadded.
     """
     world = dist.get_world_size(group)
+    device = payload[0].device if payload else collective_device(group)
     dtypes = [t.dtype for t in payload]
     itemsizes = [t.element_size() for t in payload]
-    sizes = torch.tensor([t.numel() for t in payload], dtype=torch.int64)
+    numels = [t.numel() for t in payload]
     if fixed_size:
-        all_sizes = sizes.repeat(world).view(world, len(payload))
+        all_sizes = [numels] * world
     else:
-        all_sizes = torch.empty(world * len(payload), dtype=torch.int64)
+        sizes = torch.tensor(numels, dtype=torch.int64, device=device)
+        gathered = torch.empty(world * len(payload), dtype=torch.int64, device=device)
         if counter is not None:
             counter(sizes)
-        all_gather_flat(all_sizes, sizes, group=group)
-        all_sizes = all_sizes.view(world, len(payload))
-    nbytes = all_sizes * torch.tensor(itemsizes, dtype=torch.int64)
-    max_bytes = int(nbytes.sum(dim=1).max()) if len(payload) else 0
+        all_gather_flat(gathered, sizes, group=group)
+        flat = gathered.tolist()  # the sizes are needed on the host (one device sync)
+        all_sizes = [flat[r * len(payload) : (r + 1) * len(payload)] for r in range(world)]
+    nbytes = [[n * size for n, size in zip(row, itemsizes)] for row in all_sizes]
+    max_bytes = max(sum(row) for row in nbytes) if len(payload) else 0
 
     def unpack(out: torch.Tensor) -> list[Payload]:
         result = []
@@ -102,21 +107,21 @@ def allgather_payload(
             off = 0
             tensors = []
             for j, dt in enumerate(dtypes):
-                nb = int(nbytes[r, j])
+                nb = nbytes[r][j]
                 tensors.append(chunk[off : off + nb].clone().view(dt))
                 off += nb
             result.append(tuple(tensors))
         return result
 
     if max_bytes == 0:
-        return _done(unpack(torch.empty(0, dtype=torch.uint8)))
-    local = torch.zeros(max_bytes, dtype=torch.uint8)
+        return _done(unpack(torch.empty(0, dtype=torch.uint8, device=device)))
+    local = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
     off = 0
     for t in payload:
         b = t.detach().contiguous().view(-1).view(torch.uint8)
         local[off : off + b.numel()] = b
         off += b.numel()
-    out = torch.empty(world * max_bytes, dtype=torch.uint8)
+    out = torch.empty(world * max_bytes, dtype=torch.uint8, device=device)
     if counter is not None:
         counter(local)
     work = all_gather_flat(out, local, group=group, async_op=True)

@@ -55,8 +55,20 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+def payload_device(*payloads: Payload) -> torch.device:
+    """Device of the first tensor of the first non-empty payload (``cpu`` when there is none): where
+    decompressed and aggregated tensors are created, so they stay beside the data they describe."""
+    for p in payloads:
+        for t in p:
+            return t.device
+    return torch.device("cpu")
+
+
 def make_generator(*parts: int) -> torch.Generator:
-    """CPU ``torch.Generator`` seeded with :func:`derive_seed` of ``parts``."""
+    """CPU ``torch.Generator`` seeded with :func:`derive_seed` of ``parts``.
+
+    Random draws are made on the CPU with it (``device="cpu"``) and then moved to the data's device,
+    so every rank and every device type draws the same numbers for the same seed."""
     g = torch.Generator()
     g.manual_seed(derive_seed(*parts))
     return g
@@ -95,7 +107,8 @@ class Compressor(abc.ABC):
         """Compress a 1-D float32 tensor ``x`` of n elements.
 
         Args:
-            x: 1-D ``torch.float32`` tensor (not modified).
+            x: 1-D ``torch.float32`` tensor on any device (not modified); the payload's tensors are
+                on ``x``'s device.
             step: training step (int >= 0), used for schedules and random seeds.
             key: stable id of the tensor (bucket index), used for random seeds.
             rank: this process's rank; only mixed into the seed when ``shared_randomness`` is False.
@@ -106,14 +119,16 @@ class Compressor(abc.ABC):
 
     @abc.abstractmethod
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        """Return the 1-D float32 tensor of ``ctx.numel`` elements that ``payload`` encodes."""
+        """Return the 1-D float32 tensor of ``ctx.numel`` elements that ``payload`` encodes, on the
+        payload's device."""
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> torch.Tensor:
         """Sum of the decompressed payloads of all ranks (1-D float32, ``ctx.numel`` elements).
 
         Used by the all-gather communicator; sparse compressors override it with one scatter-add.
+        The result lives on the payloads' device (CPU if there are none).
         """
-        out = torch.zeros(ctx.numel, dtype=torch.float32)
+        out = torch.zeros(ctx.numel, dtype=torch.float32, device=payload_device(*payloads))
         for p in payloads:
             out.add_(self.decompress(p, ctx))
         return out
@@ -180,12 +195,12 @@ class SparseCompressor(Compressor):
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         values, indices = payload
-        out = torch.zeros(ctx.numel, dtype=torch.float32)
+        out = torch.zeros(ctx.numel, dtype=torch.float32, device=values.device)
         out.index_put_((indices.to(torch.int64),), values.to(torch.float32), accumulate=True)
         return out
 
     def aggregate(self, payloads: Sequence[Payload], ctx: Ctx) -> torch.Tensor:
-        out = torch.zeros(ctx.numel, dtype=torch.float32)
+        out = torch.zeros(ctx.numel, dtype=torch.float32, device=payload_device(*payloads))
         if payloads:
             values = torch.cat([p[0].to(torch.float32) for p in payloads])
             indices = torch.cat([p[1].to(torch.int64) for p in payloads])

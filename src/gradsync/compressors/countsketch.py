@@ -42,6 +42,8 @@ class CountSketch:
         cols: number of columns c per row, >= 1.
         seed: hash seed; ranks that must aggregate sketches have to use the same seed (default 42).
         dtype: table dtype, float32 (default) or float64.
+        device: device of the table and the hash coefficients (default CPU); vectors accumulated
+            into or estimated from the sketch must be on it.
 
     Attributes:
         table: ``(rows, cols)`` tensor of ``dtype``; may be replaced by an all-reduced copy.
@@ -50,7 +52,8 @@ class CountSketch:
         ValueError: for rows/cols/seed outside their ranges or a non-float dtype.
     """
 
-    def __init__(self, rows: int, cols: int, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32):
+    def __init__(self, rows: int, cols: int, seed: int = DEFAULT_SEED, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.rows = check_int("rows", rows, 1, 64)
         self.cols = check_int("cols", cols, 1, MERSENNE_P - 1)
         self.seed = check_int("seed", seed, 0, None)
@@ -60,12 +63,13 @@ class CountSketch:
         # 2-wise bucket hash: a in [1, p-1], b in [0, p-1]; 4-wise sign hash: cubic polynomial.
         self._bucket_coef = torch.tensor(
             [[rng.randrange(1, MERSENNE_P), rng.randrange(0, MERSENNE_P)] for _ in range(self.rows)],
-            dtype=torch.int64,
+            dtype=torch.int64, device=device,
         )
         self._sign_coef = torch.tensor(
-            [[rng.randrange(0, MERSENNE_P) for _ in range(4)] for _ in range(self.rows)], dtype=torch.int64
+            [[rng.randrange(0, MERSENNE_P) for _ in range(4)] for _ in range(self.rows)], dtype=torch.int64,
+            device=device,
         )
-        self.table = torch.zeros(self.rows, self.cols, dtype=dtype)
+        self.table = torch.zeros(self.rows, self.cols, dtype=dtype, device=device)
 
     # -- hashing ------------------------------------------------------------------------------
     def raw_hashes(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,13 +134,13 @@ class CountSketch:
         """
         vals = values.reshape(-1).to(self.table.dtype)
         if indices is None:
-            indices = torch.arange(vals.numel(), dtype=torch.int64)
+            indices = torch.arange(vals.numel(), dtype=torch.int64, device=self.table.device)
         if indices.numel() != vals.numel():
             raise ValueError(f"values ({vals.numel()}) and indices ({indices.numel()}) differ in length")
         if vals.numel() == 0:
             return self
         buckets, signs = hashed if hashed is not None else self.hashes(indices)
-        offsets = torch.arange(self.rows, dtype=torch.int64).unsqueeze(1) * self.cols
+        offsets = torch.arange(self.rows, dtype=torch.int64, device=self.table.device).unsqueeze(1) * self.cols
         flat = self.table.view(-1)
         flat.index_add_(0, (buckets + offsets).reshape(-1), (signs * vals).reshape(-1))
         return self
@@ -178,7 +182,7 @@ class CountSketch:
             middle values is used.
         """
         if indices.numel() == 0:
-            return torch.zeros(0, dtype=self.table.dtype)
+            return torch.zeros(0, dtype=self.table.dtype, device=self.table.device)
         buckets, signs = hashed if hashed is not None else self.hashes(indices)
         vals = torch.gather(self.table, 1, buckets) * signs
         if self.rows == 1:
@@ -240,7 +244,8 @@ class CountSketch:
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> CountSketch:
-        sk = cls(state["rows"], state["cols"], state["seed"], dtype=state["table"].dtype)
+        sk = cls(state["rows"], state["cols"], state["seed"], dtype=state["table"].dtype,
+                 device=state["table"].device)
         sk.table.copy_(state["table"])
         return sk
 
@@ -254,17 +259,17 @@ class HashCache:
     """
 
     def __init__(self) -> None:
-        self._store: dict[Any, tuple[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._store: dict[Any, tuple[tuple[int, int, int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def hashes(
         self, sketch: CountSketch, key: Any, n: int, idx: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``sketch.hashes(idx)`` (default ``idx = arange(n)``) for coordinates ``idx < n``, from the
-        cached raw hashes of ``arange(n)`` under ``key`` (recomputed when n, rows or seed change)."""
-        sig = (n, sketch.rows, sketch.seed)
+        cached raw hashes of ``arange(n)`` under ``key`` (recomputed when n, rows, seed or device change)."""
+        sig = (n, sketch.rows, sketch.seed, str(sketch.table.device))
         hit = self._store.get(key)
         if hit is None or hit[0] != sig:
-            hit = (sig, sketch.raw_hashes(torch.arange(n, dtype=torch.int64)))
+            hit = (sig, sketch.raw_hashes(torch.arange(n, dtype=torch.int64, device=sketch.table.device)))
             self._store[key] = hit
         raw, signs = hit[1]
         if idx is not None:

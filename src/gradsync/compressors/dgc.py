@@ -71,11 +71,13 @@ class DGCCompressor(SparseCompressor):
         d = self.density_at(step) if density is None else density
         k = self.k_for(n, d)
         if n == 0:
-            return self._pack(x, torch.empty(0, dtype=torch.int64))
+            return self._pack(x, torch.empty(0, dtype=torch.int64, device=x.device))
         absx = x.abs()
         m = min(n, max(math.ceil(n * self.sample_ratio), 1000))
         if m < n:
-            sample = absx[torch.randint(0, n, (m,), generator=self._generator(step, key, rank))]
+            # Sample positions drawn on the CPU (reproducible across device types), moved to x's device.
+            pos = torch.randint(0, n, (m,), generator=self._generator(step, key, rank), device="cpu")
+            sample = absx[pos.to(x.device)]
         else:
             sample = absx
         ks = max(1, min(m, math.ceil(m * d)))

@@ -41,12 +41,13 @@ class QSGDCompressor(Compressor):
     def compress(self, x: torch.Tensor, step: int = 0, key: int = 0, rank: int = 0) -> tuple[Payload, Ctx]:
         self._check_input(x)
         n = x.numel()
-        norm = x.norm().reshape(1) if n else torch.zeros(1)
+        norm = x.norm().reshape(1) if n else torch.zeros(1, device=x.device)
         if float(norm) == 0.0:
-            return (torch.zeros(n, dtype=self._dtype), norm), Ctx(numel=n, selected=n)
+            return (torch.zeros(n, dtype=self._dtype, device=x.device), norm), Ctx(numel=n, selected=n)
         scaled = x.abs() / norm * self.levels
         lower = scaled.floor()
-        u = torch.rand(n, generator=self._generator(step, key, rank))
+        # Drawn on the CPU (reproducible across device types), then moved to x's device.
+        u = torch.rand(n, generator=self._generator(step, key, rank), device="cpu").to(x.device)
         level = lower + (u < (scaled - lower)).to(scaled.dtype)
         q = (level * x.sign()).to(self._dtype)
         return (q, norm), Ctx(numel=n, selected=n)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.compressors.base import Ctx, Payload, SparseCompressor
+from gradsync.compressors.base import Ctx, Payload, SparseCompressor, payload_device
 
 
 class RandomKCompressor(SparseCompressor):
@@ -37,18 +37,21 @@ class RandomKCompressor(SparseCompressor):
         self._check_input(x)
         n = x.numel()
         k = self.k_for(n, density)
-        idx = torch.randperm(n, generator=self._generator(step, key, rank))[:k]
+        # Drawn on the CPU (same indices on every rank and device type), then moved to x's device.
+        idx = torch.randperm(n, generator=self._generator(step, key, rank), device="cpu")[:k].to(x.device)
         values = x.index_select(0, idx)
         return (values,), Ctx(numel=n, selected=k, extra={"indices": idx})
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
-        out = torch.zeros(ctx.numel, dtype=torch.float32)
-        out.index_copy_(0, ctx.extra["indices"], payload[0].to(torch.float32))
+        values = payload[0]
+        out = torch.zeros(ctx.numel, dtype=torch.float32, device=values.device)
+        out.index_copy_(0, ctx.extra["indices"].to(values.device), values.to(torch.float32))
         return out
 
     def aggregate(self, payloads, ctx: Ctx) -> torch.Tensor:
-        out = torch.zeros(ctx.numel, dtype=torch.float32)
-        idx = ctx.extra["indices"]
+        device = payload_device(*payloads)
+        out = torch.zeros(ctx.numel, dtype=torch.float32, device=device)
+        idx = ctx.extra["indices"].to(device)
         for p in payloads:
             out.index_add_(0, idx, p[0].to(torch.float32))
         return out

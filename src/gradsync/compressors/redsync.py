@@ -47,7 +47,7 @@ class RedSyncCompressor(SparseCompressor):
         n = x.numel()
         k = self.k_for(n, density)
         if n == 0:
-            return self._pack(x, torch.empty(0, dtype=torch.int64))
+            return self._pack(x, torch.empty(0, dtype=torch.int64, device=x.device))
         absx = x.abs()
         mean = float(absx.mean())
         mx = float(absx.max())

@@ -8,8 +8,8 @@ import torch
 
 from gradsync.compressors.base import Compressor, Ctx, Payload
 
-_SHIFTS = torch.arange(8, dtype=torch.uint8)
-_WEIGHTS = (2 ** torch.arange(8)).to(torch.uint8)
+_SHIFTS = torch.arange(8, dtype=torch.uint8, device="cpu")  # moved to the payload's device when used
+_WEIGHTS = (2 ** torch.arange(8, device="cpu")).to(torch.uint8)
 
 
 class SignSGDCompressor(Compressor):
@@ -29,15 +29,15 @@ class SignSGDCompressor(Compressor):
     def compress(self, x: torch.Tensor, step: int = 0, key: int = 0, rank: int = 0) -> tuple[Payload, Ctx]:
         self._check_input(x)
         n = x.numel()
-        scale = x.abs().mean().reshape(1) if n else torch.zeros(1)
+        scale = x.abs().mean().reshape(1) if n else torch.zeros(1, device=x.device)
         bits = (x >= 0).to(torch.uint8)
         pad = (-n) % 8
         if pad:
-            bits = torch.cat([bits, torch.zeros(pad, dtype=torch.uint8)])
-        packed = (bits.view(-1, 8) * _WEIGHTS).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+            bits = torch.cat([bits, torch.zeros(pad, dtype=torch.uint8, device=x.device)])
+        packed = (bits.view(-1, 8) * _WEIGHTS.to(x.device)).sum(dim=1, dtype=torch.int32).to(torch.uint8)
         return (packed, scale), Ctx(numel=n, selected=n)
 
     def decompress(self, payload: Payload, ctx: Ctx) -> torch.Tensor:
         packed, scale = payload
-        bits = ((packed.unsqueeze(1) >> _SHIFTS) & 1).flatten()[: ctx.numel]
+        bits = ((packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1).flatten()[: ctx.numel]
         return (bits.to(torch.float32) * 2.0 - 1.0) * scale.to(torch.float32)

@@ -32,6 +32,6 @@ class TopKCompressor(SparseCompressor):
         self._check_input(x)
         k = self.k_for(x.numel(), density)
         if k == 0:
-            return self._pack(x, torch.empty(0, dtype=torch.int64))
+            return self._pack(x, torch.empty(0, dtype=torch.int64, device=x.device))
         _, idx = torch.topk(x.abs(), k, sorted=False)
         return self._pack(x, idx)

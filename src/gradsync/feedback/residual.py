@@ -54,7 +54,10 @@ class ResidualMemory:
         self._pool: dict[str, torch.Tensor] = {}  # per-parameter residuals awaiting re-assembly
 
     def compensate(self, g: torch.Tensor, key: int, layout: Any = None, step: int = 0) -> torch.Tensor:
-        """Return the new tensor ``beta * e[key] + gamma * g`` (1-D float32 like ``g``; ``g`` untouched).
+        """Return the new tensor ``beta * e[key] + gamma * g`` (1-D float32 on ``g``'s device; ``g``
+        untouched). Residuals are kept in float32 whatever ``g``'s dtype (fp16/bf16 buckets included),
+        so what a low-precision gradient cannot hold is not lost; a residual on another device (a
+        checkpoint restored on the CPU) is moved to ``g``'s device.
 
         Args:
             g: 1-D gradient (any floating dtype; the result is float32).
@@ -77,11 +80,13 @@ class ResidualMemory:
                 del self.residuals[key]
             e = None
         if e is None and self._pool and _is_named(layout):
-            e = self._from_pool(layout, g.numel())
+            e = self._from_pool(layout, g.numel(), g.device)
         if layout is not None:
             self.layouts[key] = layout
         x = g.to(torch.float32, copy=True) if self.gamma == 1.0 else g.to(torch.float32) * self.gamma
         if e is not None:
+            if e.device != x.device:  # e.g. residuals restored from a checkpoint on another device
+                e = e.to(x.device)
             x.add_(e, alpha=self.beta(step) if callable(self.beta) else self.beta)
         return x
 
@@ -94,7 +99,7 @@ class ResidualMemory:
         self.residuals.clear()
         self.layouts.clear()
 
-    def _from_pool(self, layout: Any, numel: int) -> torch.Tensor | None:
+    def _from_pool(self, layout: Any, numel: int, device: torch.device) -> torch.Tensor | None:
         if sum(n for _, n in layout) != numel:
             return None
         parts, missing = [], []
@@ -102,26 +107,27 @@ class ResidualMemory:
             t = self._pool.pop(name, None)
             if t is None or t.numel() != n:
                 missing.append(name)
-                t = torch.zeros(n, dtype=torch.float32)
-            parts.append(t)
+                t = torch.zeros(n, dtype=torch.float32, device=device)
+            parts.append(t.to(device=device, dtype=torch.float32))
         if missing:
             logger.warning("no residual for parameters %s: treated as zero", ", ".join(missing))
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32, device=device)
 
     def update(self, key: int, x: torch.Tensor, decompressed: torch.Tensor) -> None:
-        """Store ``e[key] = x - decompressed`` (both 1-D float32 of the same size)."""
-        self.residuals[key] = x - decompressed
+        """Store ``e[key] = x - decompressed`` (1-D, same size; kept as float32)."""
+        self.residuals[key] = (x - decompressed).to(torch.float32)
 
     def store(self, key: int, residual: torch.Tensor) -> None:
-        """Keep ``residual`` (1-D float32: what was not sent this step) as ``e[key]``."""
-        self.residuals[key] = residual
+        """Keep ``residual`` (1-D: what was not sent this step) as ``e[key]``, as float32."""
+        self.residuals[key] = residual.to(torch.float32)
 
     def total(self) -> torch.Tensor:
-        """Sum of all residual elements (float64 scalar), for mass-conservation checks."""
+        """Sum of all residual elements (float64 scalar on the CPU), for mass-conservation checks."""
         tensors = list(self.residuals.values()) + list(self._pool.values())
-        if not tensors:
-            return torch.zeros((), dtype=torch.float64)
-        return sum(e.double().sum() for e in tensors)
+        total = torch.zeros((), dtype=torch.float64, device="cpu")
+        for e in tensors:
+            total += e.double().sum().cpu()
+        return total
 
     def clear(self, key: int | None = None) -> None:
         """Forget the residual of ``key`` (or all residuals)."""

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..comm.collectives import all_gather_flat, reduce_scatter_flat
+from ..comm.collectives import all_gather_flat, collective_device, reduce_scatter_flat
 from ..validation import check_int
 
 
@@ -30,66 +30,95 @@ class CCRMeasurement:
 
 
 def ddp_bucket_numels(ddp: DistributedDataParallel) -> list[int]:
-    """Numel of each DDP bucket (reduction order) after the bucket rebuild, from DDP's logging data;
-    falls back to the parameter total when DDP does not report it."""
-    total = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+    """Numel of each DDP bucket (reduction order) after the bucket rebuild, from DDP's logging data
+    (bucket sizes in bytes, divided by the parameters' element size: 4 for float32, 2 for bf16/fp16);
+    falls back to the parameter total when DDP does not report it or the parameters mix dtypes."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in params)
+    itemsizes = {p.element_size() for p in params}
+    if len(itemsizes) != 1:
+        return [total]
+    itemsize = itemsizes.pop()
     sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
     try:
-        numels = [int(s) // 4 for s in str(sizes).split(",") if s.strip()]
+        numels = [int(s) // itemsize for s in str(sizes).split(",") if s.strip()]
     except ValueError:
         numels = []
     return numels if numels and sum(numels) == total else [total]
 
 
 def time_dense_allreduce(
-    numels: Sequence[int], group: dist.ProcessGroup | None = None, reps: int = 5
+    numels: Sequence[int], group: dist.ProcessGroup | None = None, reps: int = 5,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
 ) -> float:
-    """Median seconds of blocking float32 all-reduces of one tensor per bucket, one after another
-    (no overlap). One untimed repetition warms the connections up."""
-    tensors = [torch.zeros(int(n)) for n in numels]
+    """Median seconds of blocking all-reduces of one ``dtype`` tensor per bucket, one after another
+    (no overlap). One untimed repetition warms the connections up.
+
+    Args:
+        device: where the buckets live (the model's device); default
+            :func:`~gradsync.comm.collectives.collective_device` of ``group`` (CUDA for NCCL, CPU for
+            Gloo). On CUDA the device is synchronised before the clock is read.
+        dtype: the buckets' dtype (the parameters' dtype: float32, or bfloat16/float16).
+    """
+    device = collective_device(group) if device is None else torch.device(device)
+    tensors = [torch.zeros(int(n), dtype=dtype, device=device) for n in numels]
 
     def run() -> None:
         for t in tensors:
             dist.all_reduce(t, group=group)
 
-    return _median_seconds(run, group, reps)
+    return _median_seconds(run, group, reps, device)
 
 
-def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: int = 3) -> float:
-    """Median seconds of a blocking reduce-scatter followed by an all-gather of ``numel`` float32
-    elements (padded to a multiple of the world size): DeAR's pair, for calibrating the simulator."""
+def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: int = 3,
+                     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """Median seconds of a blocking reduce-scatter followed by an all-gather of ``numel`` ``dtype``
+    elements (padded to a multiple of the world size): DeAR's pair, for calibrating the simulator.
+    ``device`` as in :func:`time_dense_allreduce`."""
     world = dist.get_world_size(group)
     n = -(-int(numel) // world) * world
-    full, shard = torch.zeros(n), torch.zeros(n // world)
+    device = collective_device(group) if device is None else torch.device(device)
+    full = torch.zeros(n, dtype=dtype, device=device)
+    shard = torch.zeros(n // world, dtype=dtype, device=device)
 
     def run() -> None:
         reduce_scatter_flat(shard, full, group=group)
         all_gather_flat(full, shard, group=group)
 
-    return _median_seconds(run, group, reps)
+    return _median_seconds(run, group, reps, device)
 
 
-def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, reps: int) -> float:
+def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, reps: int,
+                    device: torch.device) -> float:
     """Median wall-clock seconds of ``reps`` calls of ``run`` started together on every rank (a
-    barrier before each), after one untimed call that warms the connections up."""
+    barrier before each), after one untimed call that warms the connections up. On a CUDA
+    ``device`` the device is synchronised before each clock read, since NCCL collectives return
+    once enqueued."""
     reps = check_int("reps", reps, 1)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     times = []
     for r in range(reps + 1):
+        sync()
         dist.barrier(group=group)
+        sync()
         t0 = time.perf_counter()
         run()
+        sync()
         if r:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
 def measure_ccr(
-    numels: Sequence[int], backward_s: float, group: dist.ProcessGroup | None = None, reps: int = 5
+    numels: Sequence[int], backward_s: float, group: dist.ProcessGroup | None = None, reps: int = 5,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
 ) -> CCRMeasurement:
-    """Collective: measure the dense all-reduce time of buckets ``numels`` and return the CCR
-    against ``backward_s`` (seconds), all-reduced with MAX so every rank gets the same value."""
-    allreduce_s = time_dense_allreduce(numels, group, reps)
-    ccr = torch.tensor([allreduce_s / max(backward_s, 1e-9)], dtype=torch.float64)
+    """Collective: measure the dense all-reduce time of buckets ``numels`` (``dtype`` on ``device``,
+    see :func:`time_dense_allreduce`) and return the CCR against ``backward_s`` (seconds),
+    all-reduced with MAX so every rank gets the same value."""
+    device = collective_device(group) if device is None else torch.device(device)
+    allreduce_s = time_dense_allreduce(numels, group, reps, device, dtype)
+    ccr = torch.tensor([allreduce_s / max(backward_s, 1e-9)], dtype=torch.float64, device=device)
     dist.all_reduce(ccr, op=dist.ReduceOp.MAX, group=group)
     value = float(ccr.item())
     return CCRMeasurement(allreduce_s, backward_s, value)

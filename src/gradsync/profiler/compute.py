@@ -32,6 +32,10 @@ def time_compute(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
     """Time ``steps`` training steps of a private copy of ``model`` (no hooks, no communication)
     after one untimed step; ``model`` itself is not changed. Returns the medians in seconds.
 
+    When the model's parameters are on a CUDA device, that device is synchronised before each
+    clock read: CUDA kernels run asynchronously, so without it the forward time would include only
+    the kernel launches and the backward time whatever the host happened to wait for.
+
     Raises:
         ValueError: if ``batches`` is empty or ``steps`` < 1.
     """
@@ -39,19 +43,33 @@ def time_compute(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
         raise ValueError("time_compute needs at least one batch and steps >= 1")
     local = copy.deepcopy(model)
     opt = make_optimizer(local.parameters())
+    clock = _device_clock(local)
     fwd, bwd, upd = [], [], []
     for i in range(steps + 1):
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = loss_fn(local(x), y)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = clock()
         opt.step()
-        t3 = time.perf_counter()
+        t3 = clock()
         if i:
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
             upd.append(t3 - t2)
     return ComputeTiming(statistics.median(fwd), statistics.median(bwd), statistics.median(upd))
+
+
+def _device_clock(model: nn.Module) -> Callable[[], float]:
+    """``time.perf_counter`` that first synchronises every CUDA device holding ``model``'s
+    parameters or buffers (a plain ``perf_counter`` for CPU models)."""
+    devices = {t.device for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
+
+    def clock() -> float:
+        for d in devices:
+            torch.cuda.synchronize(d)
+        return time.perf_counter()
+
+    return clock

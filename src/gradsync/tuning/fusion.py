@@ -16,7 +16,8 @@ Protocol (what the reference code does, with the differences noted):
   itself) and the mean of the others is the trial's iteration time. The ``warmup`` calls before the
   first trial are ignored entirely.
 * Only rank 0 runs the optimiser. At the end of each trial it proposes the next threshold and
-  broadcasts ``[next_mb, measured_seconds]`` (``dist.broadcast`` of a float64 tensor of shape ``(2,)``)
+  broadcasts ``[next_mb, measured_seconds]`` (``dist.broadcast`` of a float64 tensor of shape ``(2,)`` on
+  the group's collective device: CUDA for NCCL, CPU for Gloo)
   so every rank regroups to the same value at the same iteration and keeps the same history.
 * After ``trials`` trials the threshold with the lowest measured iteration time is kept
   (:attr:`FusionTuner.best_mb`) and tuning stops.
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import collective_device
 from ..validation import check_float, check_int
 
 LOW_MB = 1.0
@@ -162,12 +164,12 @@ class FusionTuner:
             return None
         intervals = [b - a for a, b in zip(self._stamps, self._stamps[1:])]
         measured = sum(intervals[1:]) / len(intervals[1:])
-        payload = torch.zeros(2, dtype=torch.float64)
-        if self._is_proposer():
-            payload[:] = torch.tensor(self._propose(measured), dtype=torch.float64)
+        device = collective_device(self.process_group) if self._distributed() else torch.device("cpu")
+        values = self._propose(measured) if self._is_proposer() else (0.0, 0.0)
+        payload = torch.tensor(values, dtype=torch.float64, device=device)
         if self._distributed():
             dist.broadcast(payload, group=self.process_group, group_src=0)
-        next_mb, seconds = float(payload[0]), float(payload[1])
+        next_mb, seconds = payload.tolist()
         rec = TrialRecord(self.current_mb, seconds)
         self.history.append(rec)
         if len(self.history) >= self.trials:

@@ -1,0 +1,277 @@
+"""gradsync on CUDA with NCCL: every tensor handed to a collective must be a CUDA tensor there.
+
+Runs on a machine with CUDA and NCCL (skipped otherwise): one NCCL rank per GPU, at most 2 (a
+single GPU gives a world of 1, which still exercises every device path). One job per module runs
+configuration agreement, the CCR and reduce-scatter/all-gather timings, compute timing, the fusion
+tuner's broadcast, the sparse all-gather, every compressor's compress/decompress/aggregate and
+every communication-hook algorithm (float32 and bfloat16 parameters) on a small CUDA model under
+DDP; the tests check the results are finite, on CUDA, and identical on every rank.
+
+Ranks are started with ``spawn`` (CUDA cannot be used in a forked child of a process that touched
+it) and every process group has a timeout, so a hang fails the test instead of blocking the suite.
+
+``GRADSYNC_CUDA_TEST_ON_CPU=1`` runs the same job on Gloo with CPU tensors where there is no GPU
+(2 ranks), to check this module itself; the device checks then expect ``cpu``.
+"""
+
+import datetime
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsync.comm.rendezvous import free_port
+
+CUDA = torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()
+ON_CPU = not CUDA and os.environ.get("GRADSYNC_CUDA_TEST_ON_CPU") == "1"
+DEVICE_TYPE = "cuda" if CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not (CUDA or ON_CPU), reason="needs a CUDA device and torch.distributed with NCCL "
+                                "(GRADSYNC_CUDA_TEST_ON_CPU=1 runs it on Gloo/CPU instead)")
+
+OPTIONS = {"ratio": 2, "density": 0.1}
+STEPS = 5  # 2 dense start-up iterations, then 3 compressed ones
+CPU_ONLY = ("oscar-sw", "oscar-asc", "countsketch")  # raise a clear error for CUDA buckets by design
+
+
+def _run(fn, world):
+    """Run ``fn(rank, world)`` in ``world`` spawned NCCL ranks; return the per-rank results."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, q, DEVICE_TYPE)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + 540
+    while len(results) < world and time.monotonic() < deadline:
+        try:
+            rank, ok, value = q.get(timeout=1.0)
+            results[rank] = (ok, value)
+        except queue_mod.Empty:
+            if all(not p.is_alive() for p in procs) and q.empty():
+                break
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    failures = {r: results.get(r, (False, f"no result (exit code {procs[r].exitcode})"))[1]
+                for r in range(world) if not results.get(r, (False,))[0]}
+    if failures:
+        raise AssertionError("CUDA/NCCL job failed:\n" + "\n".join(f"rank {r}: {m}" for r, m in failures.items()))
+    return [results[r][1] for r in range(world)]
+
+
+def _worker(rank, world, port, fn, q, device_type):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+        else:
+            torch.set_num_threads(1)
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        q.put((rank, True, fn(rank, world, device)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    """Collective: whether ``t`` (a CUDA tensor) is bitwise equal on every rank."""
+    from gradsync.comm.collectives import all_gather_flat
+
+    world = dist.get_world_size()
+    flat = t.detach().reshape(-1).contiguous()
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+    all_gather_flat(out, flat)
+    return all(torch.equal(out.view(world, -1)[r], flat) for r in range(world))
+
+
+def _job(rank, world, device):  # noqa: C901 - one job, many checks, each recorded separately
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradsync.algorithms import REGISTRY, build_hook
+    from gradsync.comm.agreement import ConfigMismatchError, check_config_agreement
+    from gradsync.comm.collectives import collective_device
+    from gradsync.comm.sparse import allgather_payload, communicate
+    from gradsync.compressors import available_compressors, make_compressor
+    from gradsync.profiler.ccr import measure_ccr, time_dense_rs_ag
+    from gradsync.profiler.compute import time_compute
+
+    out = {"collective_device": str(collective_device())}
+
+    check_config_agreement({"algorithm": "covap", "ratio": 2})
+    out["agreement"] = "ok"
+    if world > 1:
+        try:
+            check_config_agreement({"algorithm": "covap", "ratio": 2 + rank})
+            out["mismatch"] = "not detected"
+        except ConfigMismatchError as exc:
+            out["mismatch"] = sorted(exc.fields)
+
+    m = measure_ccr([1000, 30000], backward_s=0.01)
+    out["ccr"] = (m.allreduce_s, m.ccr)
+    out["rs_ag_s"] = time_dense_rs_ag(40000)
+    bm = measure_ccr([1000], backward_s=0.01, dtype=torch.bfloat16)
+    out["ccr_bf16"] = bm.ccr
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    batches = [(torch.randn(32, 64, device=device), torch.randint(0, 10, (32,), device=device))] * 2
+    t = time_compute(model, batches, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1))
+    out["compute"] = (t.forward_s, t.backward_s, t.optimizer_s)
+
+    try:
+        from gradsync.tuning.fusion import FusionTuner
+
+        tuner = FusionTuner(initial_mb=4.0, trials=2, window=2, warmup=0)
+        proposals = [tuner.observe(now=float(i)) for i in range(8)]
+        out["fusion"] = (tuner.done, [r.fusion_mb for r in tuner.history], proposals)
+    except ImportError:
+        out["fusion"] = "bayesian-optimization not installed"
+
+    # Sparse all-gather with different sizes per rank.
+    payload = (torch.arange(rank + 3, dtype=torch.float32, device=device),
+               torch.full((rank + 1,), rank, dtype=torch.int32, device=device))
+    gathered = allgather_payload(payload).wait()
+    out["allgather"] = [[(str(x.device), x.tolist()) for x in p] for p in gathered]
+
+    # Every compressor: payload, decompression and aggregation stay on the data's device.
+    comp = {}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=g).to(device)
+    for name in available_compressors():
+        if name == "countsketch":
+            continue  # a sketch, not a Compressor with compress/decompress (used by OSCAR)
+        kwargs = {"density": 0.05} if name in ("topk", "randomk", "dgc", "redsync") else {}
+        c = make_compressor(name, **kwargs)
+        p, ctx = c.compress(x, step=3, key=0, rank=rank)
+        dec = c.decompress(p, ctx)
+        agg = c.aggregate([p, p], ctx)
+        avg = communicate(c, p, ctx).wait()
+        comp[name] = {
+            "payload": sorted({str(t.device) for t in p}),
+            "decompress": (str(dec.device), str(dec.dtype), bool(torch.isfinite(dec).all())),
+            "aggregate": (str(agg.device), bool(torch.allclose(agg, 2 * dec))),
+            "communicate": (str(avg.device), bool(torch.isfinite(avg).all()), _same_on_every_rank(avg)),
+        }
+    out["compressors"] = comp
+
+    # Every communication-hook algorithm under DDP on this GPU.
+    hooks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in sorted(n for n, s in REGISTRY.items() if s.make_hook is not None):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(),
+                                  nn.Linear(64, 10)).to(device=device, dtype=dtype)
+            ddp = DDP(model, device_ids=[rank] if device.type == "cuda" else None,
+                      bucket_cap_mb=1e4 if REGISTRY[name].single_bucket else 0.01)
+            opts = {k: v for k, v in OPTIONS.items() if k in REGISTRY[name].options.keys()}
+            state, hook = build_hook(name, model=model, steps_per_epoch=3, batch_size=8, **opts)
+            ddp.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(rank)
+            try:
+                for _ in range(STEPS):
+                    opt.zero_grad()
+                    xb = torch.randn(8, 32, generator=gen).to(device=device, dtype=dtype)
+                    yb = torch.randint(0, 10, (8,), generator=gen).to(device)
+                    nn.functional.cross_entropy(ddp(xb).float(), yb).backward()
+                    opt.step()
+            except Exception as exc:  # noqa: BLE001 - recorded; CPU-only algorithms must fail clearly
+                hooks[(str(dtype), name)] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            hooks[(str(dtype), name)] = {
+                "devices": sorted({str(p.device) for p in model.parameters()}),
+                "finite": bool(torch.isfinite(params.float()).all()),
+                "same": _same_on_every_rank(params),
+                "bytes_sent": state.stats()["bytes_sent"],
+            }
+    out["hooks"] = hooks
+    return out
+
+
+@pytest.fixture(scope="module")
+def job():
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return world, _run(_job, world)
+
+
+def _on_device(name: str) -> bool:
+    return name.startswith(DEVICE_TYPE)
+
+
+def test_collective_device_is_the_current_gpu(job):
+    _, results = job
+    expected = [f"cuda:{r}" for r in range(len(results))] if CUDA else ["cpu"] * len(results)
+    assert [r["collective_device"] for r in results] == expected
+
+
+def test_configuration_agreement(job):
+    world, results = job
+    assert all(r["agreement"] == "ok" for r in results)
+    if world > 1:
+        assert all(r["mismatch"] == ["ratio"] for r in results)
+
+
+def test_ccr_and_timings(job):
+    _, results = job
+    for r in results:
+        allreduce_s, ccr = r["ccr"]
+        assert 0 < allreduce_s < 10 and ccr > 0
+        assert 0 < r["rs_ag_s"] < 10 and r["ccr_bf16"] > 0
+        assert all(0 < s < 10 for s in r["compute"])
+    assert len({r["ccr"][1] for r in results}) == 1, "CCR must be identical on every rank"
+
+
+def test_fusion_tuner_broadcast(job):
+    _, results = job
+    fusion = [r["fusion"] for r in results]
+    if isinstance(fusion[0], str):
+        pytest.skip(fusion[0])
+    assert all(f[0] for f in fusion) and all(f == fusion[0] for f in fusion)
+
+
+def test_sparse_allgather_on_cuda(job):
+    world, results = job
+    for rank, r in enumerate(results):
+        got = r["allgather"]
+        assert len(got) == world
+        for src, (values, ids) in enumerate(got):
+            assert _on_device(values[0]) and _on_device(ids[0])
+            assert values[1] == [float(i) for i in range(src + 3)] and ids[1] == [src] * (src + 1)
+
+
+def test_compressors_stay_on_cuda(job):
+    _, results = job
+    for name, c in results[0]["compressors"].items():
+        assert all(_on_device(d) for d in c["payload"]), name
+        assert _on_device(c["decompress"][0]) and c["decompress"][1] == "torch.float32", name
+        assert c["decompress"][2], f"{name}: non-finite decompression"
+        assert _on_device(c["aggregate"][0]) and c["aggregate"][1], name
+        assert _on_device(c["communicate"][0]) and c["communicate"][1] and c["communicate"][2], name
+
+
+def test_every_hook_algorithm_on_cuda(job):
+    _, results = job
+    for key, h in results[0]["hooks"].items():
+        dtype, name = key
+        if name in CPU_ONLY and CUDA:
+            assert "error" in h and "CPU" in h["error"], f"{name} {dtype}: expected a clear CPU-only error, got {h}"
+            continue
+        assert "error" not in h, f"{name} {dtype}: {h.get('error')}"
+        assert all(_on_device(d) for d in h["devices"]), key
+        assert h["finite"], f"{name} {dtype}: non-finite parameters"
+        assert h["same"], f"{name} {dtype}: replicas diverged"
+        assert h["bytes_sent"] > 0, key
