@@ -67,6 +67,12 @@ def test_causal_future_tokens_do_not_change_earlier_logits(one_thread, training)
         a, b = m(x), m(x2)
     assert torch.allclose(a[:, :k], b[:, :k], atol=1e-5)   # positions before k see nothing of it
     assert (a[:, k] - b[:, k]).abs().max() > 1e-3          # position k does see it
+    # ... and attention does carry the past forward: the first token changes the last logits.
+    x3 = x.clone()
+    x3[:, 0] = (x[:, 0] + 1) % 11
+    with torch.no_grad():
+        c = m(x3)
+    assert (a[:, -1] - c[:, -1]).abs().max() > 1e-4
 
 
 def test_without_mask_the_future_leaks(one_thread):
