@@ -146,7 +146,7 @@ def test_kjv_transformer_data():
     w = torch.randn(256, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     key_shuffled, key_base = train_x.double() @ w, base_x.double() @ w
     assert torch.equal(key_shuffled.sort().values, key_base.sort().values)
-    # ... so the default slice of 6,400 covers the whole training text, not its first books.
+    # ... so the default slice of 12,800 covers the whole training text, not its first books.
     where = {float(k): i for i, k in enumerate(key_base.tolist())}
     positions = torch.tensor([where[float(k)] for k in key_shuffled[:TRANSFORMER_TRAIN_WINDOWS].tolist()])
     n = base_x.shape[0]
