@@ -1,0 +1,214 @@
+"""Workloads: torchvision models for 1x28x28 inputs, the optimizer choice, describe(), and a real
+2-rank DDP step with each new model compared against the average of per-rank gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradsync.workloads import WORKLOADS, Workload, describe_all, get_workload
+from gradsync.workloads.vision import SMALL_INPUT_MODELS, build, imagenet_profile_target, torchvision_models
+
+from distributed import run_ranks
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_torchvision_imports():
+    models = torchvision_models()
+    import torchvision
+
+    assert torchvision.__version__.startswith("0.28.0")
+    assert models.get_model_builder("resnet18") is models.resnet18
+    assert set(SMALL_INPUT_MODELS) <= set(models.list_models(module=models))
+
+
+def test_detection_ops_fail_clearly_without_the_extension():
+    torchvision_models()
+    import torchvision
+    import torchvision.ops
+
+    if torchvision.extension._has_ops():
+        pytest.skip("torchvision's C++ extension loaded (a matching torch build): nothing to check")
+    with pytest.raises(RuntimeError, match="Couldn't load custom C\\+\\+ ops"):
+        torchvision.ops.nms(torch.rand(3, 4), torch.rand(3), 0.5)
+
+
+@pytest.mark.parametrize("name", SMALL_INPUT_MODELS)
+def test_small_input_model_forward_backward(name, one_thread):
+    torch.manual_seed(0)
+    m = build(name)
+    x = torch.randn(2, 1, 28, 28)
+    out = m(x)
+    assert out.shape == (2, 10) and out.dtype == torch.float32
+    F.cross_entropy(out, torch.tensor([1, 7])).backward()
+    # Every parameter gets a finite gradient: DDP needs no find_unused_parameters.
+    missing = [n for n, p in m.named_parameters() if p.grad is None]
+    assert not missing, missing
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_first_convolution_adaptation():
+    models = torchvision_models()
+    torch.manual_seed(0)
+    lib = models.resnet18(weights=None, num_classes=10)
+    torch.manual_seed(0)
+    ours = build("resnet18")
+    assert ours.conv1.in_channels == 1 and ours.conv1.stride == (1, 1)
+    assert ours.conv1.weight.shape == (64, 1, 7, 7) and ours.conv1.kernel_size == (7, 7)
+    # The library's initial weights of input channel 0; everything else is the library's model.
+    assert torch.equal(ours.conv1.weight, lib.conv1.weight[:, :1])
+    n_lib = sum(p.numel() for p in lib.parameters())
+    n_ours = sum(p.numel() for p in ours.parameters())
+    assert n_lib - n_ours == 64 * 2 * 7 * 7
+    assert torch.equal(ours.fc.weight, lib.fc.weight)
+    # Three channels: only the stride changes.
+    rgb = build("mobilenet_v3_small", num_classes=5, in_channels=3)
+    assert rgb.features[0][0].in_channels == 3 and rgb.features[0][0].stride == (1, 1)
+    assert rgb(torch.randn(2, 3, 28, 28)).shape == (2, 5)
+
+
+def test_build_argument_errors():
+    with pytest.raises(ValueError, match="model must be one of .*resnet18"):
+        build("vgg11")
+    with pytest.raises(ValueError, match="num_classes"):
+        build("resnet18", num_classes=1)
+    with pytest.raises(ValueError, match="in_channels"):
+        build("resnet18", in_channels=2)
+    with pytest.raises(ValueError, match="in_channels"):
+        build("resnet50", 1000, 1, small_input=False)
+
+
+def test_imagenet_profile_target_is_torchvision_resnet50(one_thread):
+    models = torchvision_models()
+    model, make_batch, loss_fn = imagenet_profile_target("resnet50", batch_size=1)
+    assert type(model) is models.ResNet and model.conv1.stride == (2, 2) and model.conv1.in_channels == 3
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032
+    x, y = make_batch()
+    assert x.shape == (1, 3, 224, 224) and x.dtype == torch.float32
+    assert y.shape == (1,) and y.dtype == torch.int64 and 0 <= int(y) < 1000
+    x2, _ = make_batch()
+    assert not torch.equal(x, x2)  # fresh batches
+    model.eval()
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == (1, 1000) and torch.isfinite(loss_fn(out, y))
+    with pytest.raises(ValueError, match="batch_size"):
+        imagenet_profile_target("resnet50", batch_size=0)
+
+
+def test_workload_with_model_and_defaults():
+    base = get_workload("fashion-mnist")
+    assert base.model == "resnet8" and base.optimizer == "sgd"
+    assert get_workload("fashion-mnist", None) is base and base.with_model("resnet8") is base
+    w = get_workload("fashion-mnist", "resnet18")
+    assert w.model == "resnet18" and w.defaults == base.defaults and w.optimizer == "sgd"
+    torch.manual_seed(0)
+    assert w.make_model()(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    swin = get_workload("fashion-mnist", "swin_t")
+    assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
+    assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
+    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet18"):
+        get_workload("fashion-mnist", "vgg11")
+    with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
+        get_workload("kjv-lstm", "resnet18")
+    with pytest.raises(ValueError, match="workload must be one of"):
+        get_workload("cifar10")
+
+
+def test_make_optimizer():
+    p = [nn.Parameter(torch.ones(3))]
+    sgd = get_workload("fashion-mnist").make_optimizer(p, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    assert isinstance(sgd, torch.optim.SGD)
+    g = sgd.param_groups[0]
+    assert g["nesterov"] and g["momentum"] == 0.9 and g["weight_decay"] == 5e-4 and g["lr"] == 0.1
+    plain = get_workload("kjv-lstm").make_optimizer(p, lr=1.0, momentum=0.0)
+    assert not plain.param_groups[0]["nesterov"]
+    adamw = get_workload("kjv-transformer").make_optimizer(p, lr=3e-3, momentum=0.9, weight_decay=0.01)
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.param_groups[0]["weight_decay"] == 0.01
+    for kwargs, arg in (({"lr": 0.0}, "lr"), ({"lr": 0.1, "momentum": 1.0}, "momentum"),
+                        ({"lr": 0.1, "weight_decay": -1.0}, "weight_decay")):
+        with pytest.raises(ValueError, match=arg):
+            get_workload("fashion-mnist").make_optimizer(p, **kwargs)
+    with pytest.raises(ValueError, match="optimizer must be one of sgd, adamw"):
+        Workload("x", None, None, None, optimizer="adam")
+
+
+def test_describe_matches_the_models_and_the_docstring():
+    import gradsync.workloads as pkg
+
+    rows = {(r["workload"], r["model"]): r for r in describe_all(models=False)}
+    assert set(rows) == {("fashion-mnist", "resnet8"), ("kjv-lstm", "char-lstm"),
+                         ("kjv-transformer", "char-transformer")}
+    for (name, _), r in rows.items():
+        m = WORKLOADS[name].make_model()
+        assert r["parameters"] == sum(p.numel() for p in m.parameters())
+        assert r["gradient_bytes"] == 4 * r["parameters"]
+        assert r["batch_size"] == WORKLOADS[name].defaults["batch_size"]
+        # The table in the package docstring quotes these figures.
+        assert f"{r['parameters']:,}" in pkg.__doc__ and f"{r['gradient_bytes']:,}" in pkg.__doc__
+    # describe() leaves the global RNG alone.
+    torch.manual_seed(5)
+    a = torch.rand(1)
+    torch.manual_seed(5)
+    get_workload("fashion-mnist", "resnet18").describe()
+    assert torch.equal(torch.rand(1), a)
+    assert get_workload("fashion-mnist", "resnet18").describe()["parameters"] == 11_175_370
+
+
+# ---- a real 2-rank DDP step with each new model ----
+
+def _model_and_batch(kind: str, rank: int):
+    """Identical model on every rank (seed 0) and rank ``rank``'s own batch."""
+    torch.manual_seed(0)
+    if kind == "kjv-transformer":
+        from gradsync.workloads.transformer import CharTransformer
+
+        model = CharTransformer(73, context=256, d_model=32, heads=4, layers=2, dropout=0.1, channels_first=True)
+        g = torch.Generator().manual_seed(10 + rank)
+        return model, torch.randint(0, 73, (2, 64), generator=g), torch.randint(0, 73, (2, 64), generator=g)
+    model = get_workload("fashion-mnist", kind).make_model()
+    g = torch.Generator().manual_seed(10 + rank)
+    return model, torch.randn(2, 1, 28, 28, generator=g), torch.randint(0, 10, (2,), generator=g)
+
+
+def _local_grad(kind: str, rank: int) -> torch.Tensor:
+    model, x, y = _model_and_batch(kind, rank)
+    torch.manual_seed(100 + rank)  # the same dropout / stochastic-depth draws as the rank
+    F.cross_entropy(model(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _ddp_step(rank, world, kinds):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    out = {}
+    for kind in kinds:
+        model, x, y = _model_and_batch(kind, rank)
+        ddp = DDP(model, bucket_cap_mb=1)
+        torch.manual_seed(100 + rank)
+        F.cross_entropy(ddp(x), y).backward()
+        out[kind] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return out
+
+
+def test_ddp_step_with_each_new_model(one_thread):
+    kinds = ["resnet18", "mobilenet_v3_small", "kjv-transformer"]
+    torchvision_models()  # import once before the ranks fork
+    results = run_ranks(_ddp_step, 2, kinds, timeout=240, pg_timeout=120)
+    for kind in kinds:
+        reference = (_local_grad(kind, 0) + _local_grad(kind, 1)) / 2
+        g0, g1 = results[0][kind], results[1][kind]
+        assert torch.equal(g0, g1), kind  # every rank holds the same averaged gradient
+        # fp32 sums in a different order: agree to a few ulps of the gradient scale.
+        scale = reference.abs().max().item()
+        assert torch.allclose(g0, reference, rtol=1e-4, atol=1e-6 * scale), kind
+        # ... and it is the average, not one rank's own gradient.
+        assert not torch.allclose(g0, _local_grad(kind, 0), rtol=1e-3, atol=1e-4 * scale), kind
