@@ -65,7 +65,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", default=None,
                    help="directory; after every epoch each rank writes DIR/epochE/rankR.pt (model, optimizer, "
                         "scheduler, error-feedback residuals and controller state)")
-    p.add_argument("--resume", default=None, help="continue from a DIR/epochE checkpoint directory")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="also checkpoint every N steps, to DIR/stepS (needs --checkpoint)")
+    p.add_argument("--resume", default=None,
+                   help="continue from a checkpoint directory (DIR/epochE, DIR/stepS), or 'latest': the "
+                        "newest complete one under --checkpoint DIR")
     p.add_argument("--out", default=None, help="write metrics.json and curves.png here")
     p.add_argument("--timeout", type=float, default=d.timeout,
                    help="seconds before a collective waiting on a dead peer fails")
@@ -87,7 +91,7 @@ def _train(args: argparse.Namespace) -> int:
         powersgd_rank=args.powersgd_rank, bucket_cap_mb=args.bucket_cap_mb, fusion_mb=args.fusion_mb,
         search_interval=args.search_interval, gain_floor=args.gain_floor,
         plateau_tolerance=args.plateau_tolerance, train_samples=args.train_samples,
-        checkpoint=args.checkpoint, resume=args.resume,
+        checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
         data_dir=args.data_dir, out=args.out, timeout=args.timeout, backend=args.backend,
         progress=not args.no_progress,
     )
@@ -346,13 +350,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as exc:
         parser.error(str(exc))
-    except Exception as exc:  # a spawned rank failed: show its error, not the launcher's traceback
-        from torch.multiprocessing import ProcessRaisedException
+    except Exception as exc:  # a local rank failed: one message, not the launcher's traceback
+        from .launch import RankFailure
 
-        if not isinstance(exc, ProcessRaisedException):
+        if not isinstance(exc, RankFailure):
             raise
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        print(f"gradsync: error: {lines[0].strip(' -')}: {lines[-1]}", file=sys.stderr)
+        report = getattr(exc, "report", None)
+        print(report(argv) if report else f"gradsync: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("gradsync: interrupted", file=sys.stderr)

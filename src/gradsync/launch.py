@@ -46,12 +46,14 @@ class RankProgress:
 
     The step is written with one ``pwrite`` of 8 bytes into a per-rank file under the launcher's
     temporary directory (about a microsecond; no collective, no lock), so the launcher can say which
-    step every rank completed when one of them dies. Without a local launcher (``torchrun``, or a
-    plain process group) ``report`` does nothing.
+    step every rank completed when one of them dies; the file's next 8 bytes hold the rank's process
+    id. Without a local launcher (``torchrun``, or a plain process group) ``report`` does nothing.
     """
 
     def __init__(self, path: str | None):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
+        if self._fd is not None:
+            os.pwrite(self._fd, _STEP.pack(0) + _STEP.pack(os.getpid()), 0)
 
     def report(self, step: int) -> None:
         """Record that optimizer step ``step`` (1-based, counted over the whole run) is complete."""
@@ -187,7 +189,8 @@ class LocalRanks:
         port: rendezvous port (``MASTER_PORT``); None picks a free one.
         socket_ifname: ``GLOO_SOCKET_IFNAME`` for every rank, or a function of the rank (the
             interface inside an emulated host's namespace); None leaves the variable alone.
-        env: extra environment variables for every rank.
+        env: extra environment variables for every rank (they win over the ones above, e.g.
+            ``LOCAL_RANK=0`` when every rank stands for a host of its own).
 
     Use: ``ranks.start_function(fn, args)`` or ``ranks.start_command(argv_of)``, then
     ``results = ranks.join()``; as a context manager the ranks are stopped and the temporary
@@ -215,11 +218,12 @@ class LocalRanks:
 
     def env(self, rank: int) -> dict[str, str]:
         """The environment variables set for ``rank`` (on top of the inherited ones)."""
-        env = dict(self._extra_env, RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank),
+        env = dict(RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(self.world), MASTER_ADDR=self.master_addr,
                    MASTER_PORT=str(self.port), **{PROGRESS_ENV: self._dir})
         if self._ifname is not None:
             env["GLOO_SOCKET_IFNAME"] = self._ifname(rank) if callable(self._ifname) else self._ifname
+        env.update(self._extra_env)
         return env
 
     def start_function(self, fn: Callable[..., Any], args: Sequence[Any] = (),

@@ -41,7 +41,8 @@ class TrainConfig:
     data_dir: str | None = None
     train_samples: int | None = None  # use only the first N training samples (quick experiments)
     checkpoint: str | None = None  # directory: DIR/epoch{E}/rank{r}.pt after every epoch
-    resume: str | None = None      # a DIR/epoch{E} directory written by --checkpoint
+    checkpoint_every: int | None = None  # also DIR/step{S} every this many steps (needs checkpoint)
+    resume: str | None = None      # a checkpoint directory, or "latest" (newest complete under checkpoint)
     out: str | None = None
     timeout: float = 120.0        # seconds before a collective with a dead peer raises
     backend: str = "auto"         # gloo, nccl, or auto (nccl when CUDA is available under torchrun)
@@ -89,6 +90,12 @@ class TrainConfig:
         check_int("compute_steps", self.compute_steps, 1, 100)
         if self.train_samples is not None:
             check_int("train_samples", self.train_samples, 1)
+        if self.checkpoint_every is not None:
+            check_int("checkpoint_every", self.checkpoint_every, 1)
+            if not self.checkpoint:
+                raise ValueError("checkpoint_every needs checkpoint (--checkpoint DIR) to say where to write")
+        if self.resume == "latest" and not self.checkpoint:
+            raise ValueError("resume 'latest' needs checkpoint (--checkpoint DIR) to say where to look")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
