@@ -8,11 +8,14 @@ ranks) and ``manifest.json``. Every rank writes its file atomically (temporary f
 SHA-256 digests (an ``all_gather_object``, which is also the barrier), and rank 0 writes the
 manifest last, the same way. A directory without a manifest, or whose files do not match it, is
 incomplete: ``--resume latest`` skips it with a warning. Files load with
-``torch.load(weights_only=True)`` and are checked against the manifest's digest first.
+``torch.load(weights_only=True)`` and are checked against the manifest's digest first; numpy
+arrays, numpy scalars and ``numpy.random.RandomState`` objects in a payload (some algorithm states
+hold them) are stored as tagged tensors and turned back into numpy on load (:func:`to_safe`).
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import json
@@ -30,6 +33,72 @@ import torch.distributed as dist
 MANIFEST = "manifest.json"
 FORMAT = 1
 _NAME = re.compile(r"^(epoch|step)(\d+)$")
+
+
+_ND, _NS, _RS = "__gradsync_ndarray__", "__gradsync_npscalar__", "__gradsync_randomstate__"
+_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
+                torch.Size)
+
+
+def _map_dict(d: dict, fn: Any) -> dict:
+    """``d`` with every value ``v`` replaced by ``fn(k, v)``; a dict subclass keeps its type and
+    attributes (a module state_dict's ``_metadata``)."""
+    if type(d) is dict:
+        return {k: fn(k, v) for k, v in d.items()}
+    out = copy.copy(d)
+    for k, v in d.items():
+        out[k] = fn(k, v)
+    return out
+
+
+def to_safe(obj: Any, path: str = "payload") -> Any:
+    """``obj`` with numpy arrays, numpy scalars and ``numpy.random.RandomState`` objects replaced by
+    tagged dicts of tensors, so ``torch.load(weights_only=True)`` reads it; :func:`from_safe` undoes it.
+
+    Raises:
+        TypeError: naming the entry (``payload.algorithm.x``) whose type ``weights_only`` loading
+            rejects and that has no conversion (a custom class, an object array, ...).
+    """
+    import numpy as np
+
+    if isinstance(obj, _SAFE_LEAVES):
+        return obj
+    if isinstance(obj, dict):
+        return _map_dict(obj, lambda k, v: to_safe(v, f"{path}.{k}"))
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(to_safe(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return {_ND: torch.from_numpy(np.ascontiguousarray(obj)).clone()}
+    if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+        return {_NS: torch.from_numpy(np.asarray(obj).reshape(1)).clone()}
+    if isinstance(obj, np.random.RandomState):
+        name, keys, pos, has_gauss, cached = obj.get_state()
+        return {_RS: (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
+    raise TypeError(f"checkpoint: {path} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+                    "torch.load(weights_only=True) cannot read; store tensors, numbers, strings, lists, "
+                    "tuples or dicts in state_dict()")
+
+
+def from_safe(obj: Any) -> Any:
+    """Undo :func:`to_safe`."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (key, value), = obj.items()
+            if key == _ND:
+                return value.numpy().copy()
+            if key == _NS:
+                return value.numpy()[0]
+            if key == _RS:
+                name, keys, pos, has_gauss, cached = value
+                rs = np.random.RandomState()
+                rs.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+                return rs
+        return _map_dict(obj, lambda k, v: from_safe(v))
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(from_safe(v) for v in obj)
+    return obj
 
 
 class IncompleteCheckpoint(RuntimeError):
@@ -87,11 +156,14 @@ def save_rank_file(directory: str | os.PathLike, rank: int, payload: dict[str, A
     """Write ``payload`` as ``directory/rank{rank}.pt`` atomically and durably.
 
     Returns ``{"name", "bytes", "sha256"}`` of the file (the manifest's entry).
+
+    Raises:
+        TypeError: from :func:`to_safe`, for an entry ``weights_only`` loading could not read.
     """
     path = checkpoint_file(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
-    torch.save(payload, buf)
+    torch.save(to_safe(payload), buf)
     data = buf.getvalue()
     _atomic_write(path, data)
     return {"name": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -116,8 +188,8 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict[str, Any], *, st
     process group it saves a one-rank checkpoint). Returns ``directory``.
 
     Args:
-        payload: what :func:`load_checkpoint` returns; must load with ``weights_only=True``
-            (tensors, numbers, strings, None, and lists, tuples and dicts of them).
+        payload: what :func:`load_checkpoint` returns: tensors, numbers, strings, None, numpy
+            arrays and ``RandomState`` objects, in lists, tuples and dicts (see :func:`to_safe`).
         step: optimizer steps completed; epoch: the epoch the run continues in.
     """
     directory = Path(directory)
@@ -248,7 +320,7 @@ def load_checkpoint(directory: str | os.PathLike, rank: int, world_size: int | N
             raise IncompleteCheckpoint(f"{path}: SHA-256 does not match {directory / MANIFEST}")
     elif rank == 0:
         _warn(f"{directory} has no {MANIFEST}; it may be incomplete")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return from_safe(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
 
 
 def rng_state() -> dict[str, Any]:
