@@ -50,10 +50,10 @@ class RankProgress:
     id. Without a local launcher (``torchrun``, or a plain process group) ``report`` does nothing.
     """
 
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, step: int = 0):
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
         if self._fd is not None:
-            os.pwrite(self._fd, _STEP.pack(0) + _STEP.pack(os.getpid()), 0)
+            os.pwrite(self._fd, _STEP.pack(int(step)) + _STEP.pack(os.getpid()), 0)
 
     def report(self, step: int) -> None:
         """Record that optimizer step ``step`` (1-based, counted over the whole run) is complete."""
@@ -66,12 +66,13 @@ class RankProgress:
             self._fd = None
 
 
-def rank_progress() -> RankProgress:
-    """This rank's :class:`RankProgress` (a no-op one unless started by :class:`LocalRanks`)."""
+def rank_progress(step: int = 0) -> RankProgress:
+    """This rank's :class:`RankProgress`, starting at ``step`` (the step a resumed run starts
+    from); a no-op one unless the rank was started by :class:`LocalRanks`."""
     directory, rank = os.environ.get(PROGRESS_ENV), os.environ.get("RANK")
     if not directory or rank is None or not os.path.isdir(directory):
         return RankProgress(None)
-    return RankProgress(os.path.join(directory, f"rank{int(rank)}"))
+    return RankProgress(os.path.join(directory, f"rank{int(rank)}"), step)
 
 
 def _read_step(path: str) -> int | None:
@@ -142,9 +143,10 @@ class RankFailure(RuntimeError):
                  timed_out: bool = False, timeout: float | None = None,
                  results: dict[int, Any] | None = None):
         self.failed, self.exits, self.steps, self.timed_out = failed, exits, steps, timed_out
+        self.timeout = timeout
         self.results = results or {}
         if timed_out:
-            msg = f"ranks did not finish within {timeout:.0f} s"
+            msg = f"ranks did not finish within {timeout or 0:.0f} s"
         else:
             msg = failed.describe()
         if self.last_step is not None:

@@ -59,7 +59,7 @@ class TrainingFailed(RankFailure):
 
     def __init__(self, failure: RankFailure, checkpoint_dir: str | None):
         super().__init__(failure.failed, failure.exits, failure.steps, failure.timed_out,
-                         results=failure.results)
+                         timeout=failure.timeout, results=failure.results)
         self.checkpoint = None
         if checkpoint_dir:
             from .checkpoint import latest_checkpoint
@@ -71,6 +71,8 @@ class TrainingFailed(RankFailure):
         lines = [f"gradsync train: {self.failed.describe()}"
                  + (f"; stopped the other {len(self.exits) - 1} rank(s)" if len(self.exits) > 1 else "")]
         step = self.last_step
+        if not step and self.failed.error is not None:
+            return lines[0]  # failed while starting (a configuration or data error): nothing to resume
         lines.append(f"  last completed step: {step if step else 'none'}")
         if self.checkpoint is None:
             lines.append("  no complete checkpoint to resume from (write them with --checkpoint DIR "

@@ -104,7 +104,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         if progress is not None:
             progress.update(step)
     start_step = step
-    reporter = rank_progress()
+    reporter = rank_progress(step)
     stats0 = state.stats()
     last_bytes = stats0["bytes_sent"]
     wall0 = time.perf_counter() - (iterations[-1]["wall_s"] if iterations else 0.0)
