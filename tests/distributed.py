@@ -10,7 +10,8 @@ rank that does not finish within ``timeout`` seconds is killed and reported.
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch._dynamo  # noqa: F401  DDP imports it lazily (~6 s per forked rank); import once before fork
 

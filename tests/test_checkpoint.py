@@ -4,6 +4,7 @@ weights_only loading of every algorithm's state, and the resume position of the 
 import hashlib
 import io
 import json
+import math
 import os
 import time
 
@@ -12,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from distributed import run_ranks
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
-from distributed import run_ranks
 from gradsync.train import checkpoint as C
 from gradsync.train.config import TrainConfig
 
@@ -216,7 +217,8 @@ def _same(a, b, path=""):
         if type(a) is not type(b) or len(a) != len(b):
             return [path + " (container)"]
         return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{path}[{i}]")]
-    return [] if a == b or (a != a and b != b) else [f"{path}: {a!r} != {b!r}"]
+    both_nan = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+    return [] if a == b or both_nan else [f"{path}: {a!r} != {b!r}"]
 
 
 def _every_algorithm(rank, world, names, root):

@@ -45,7 +45,7 @@ def test_sigkill_of_one_rank_gives_one_message_and_the_resume_command(tmp_path):
         _, pid = struct.unpack("<qq", Path(slot).read_bytes()[:16])
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=timeout + 30)
+        _, err = proc.communicate(timeout=timeout + 30)
         elapsed = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -74,7 +74,7 @@ def _train(tmp_path, name, algorithm, *extra):
     out = tmp_path / name
     proc = subprocess.run(CLI + ["--algorithm", algorithm, "--ratio", "2", "--train-samples", "1280",
                                  "--max-steps", "6", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text()), proc
 

@@ -31,8 +31,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Callable, Mapping, Sequence
+from typing import IO, Any
 
 from .comm.rendezvous import free_port
 
@@ -424,8 +425,8 @@ class LocalRanks:
             self._results = None
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalRanks":
+    def __enter__(self) -> LocalRanks:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -12,7 +12,8 @@ import datetime
 import os
 import shlex
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     """
     if under_torchrun():
         return _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         int(os.environ.get("LOCAL_RANK", 0)), cfg)
+                         int(os.environ.get("LOCAL_RANK", "0")), cfg)
     with LocalRanks(cfg.workers) as ranks:
         ranks.start_function(_local_rank, (cfg,), start_method="spawn")
         try:

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from ..comm.agreement import check_config_agreement
+from ..launch import rank_progress
 from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..workloads import get_workload
-from ..launch import rank_progress
 from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
 from .config import TrainConfig
 from .evaluate import evaluate
@@ -194,4 +194,3 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
             "iterations": iterations, "epochs": epoch_log}
-
