@@ -45,9 +45,6 @@ ALLOW = {
     "algorithms/oscar.py": "CPU-only by design; raises for non-CPU buckets",
     # The point-to-point ring is another work item's; it runs on Gloo only.
     "comm/ring.py": "Gloo-only ring reduce-scatter (other work item)",
-    # train/evaluate.py all-reduces a CPU float64 vector of metric sums; its fix (device=device) is
-    # one line in train/, outside this change. Remove this entry when fixed.
-    "train/evaluate.py": "metric sums: needs device=device (train/ left to the lead)",
 }
 
 

@@ -271,13 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as exc:
         parser.error(str(exc))
-    except Exception as exc:  # a spawned rank failed: show its error, not the launcher's traceback
-        from torch.multiprocessing import ProcessRaisedException
+    except Exception as exc:  # a local rank failed: one message, not the launcher's traceback
+        from .launch import RankFailure
 
-        if not isinstance(exc, ProcessRaisedException):
+        if not isinstance(exc, RankFailure):
             raise
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        print(f"gradsync: error: {lines[0].strip(' -')}: {lines[-1]}", file=sys.stderr)
+        report = getattr(exc, "report", None)
+        print(report(argv) if report else f"gradsync: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("gradsync: interrupted", file=sys.stderr)

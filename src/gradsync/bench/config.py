@@ -10,6 +10,7 @@ from typing import Any, Optional
 from ..algorithms import REGISTRY, make_options
 from ..options import option
 from ..train.config import SharedConfig
+from ..workloads import get_workload
 
 
 @dataclass
@@ -27,7 +28,8 @@ class BenchConfig(SharedConfig):
     warmup: int = option(5, "untimed iterations per algorithm per round", low=0, high=10_000)
     rounds: int = option(3, "interleaved rounds (A B C A B C ...)", low=1, high=1000)
     batch_size: int = option(64, "samples per step per rank", low=1, high=65_536)
-    lr: float = option(0.05, "SGD learning rate", low=0.0, high=10.0, low_open=True)
+    lr: Optional[float] = option(None, "constant learning rate; default: the workload's", low=0.0, high=10.0,
+                                 low_open=True)
     to_accuracy: Optional[float] = option(None, "also train each algorithm until this test accuracy (0-1) and "
                                           "report the time", low=0.0, high=1.0, low_open=True)
     eval_every: int = option(50, "steps between time-to-accuracy evaluations", low=1, high=100_000)
@@ -38,6 +40,8 @@ class BenchConfig(SharedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.lr is None:
+            self.lr = get_workload(self.workload, self.model).defaults["lr"]
         if not self.algorithms:
             raise ValueError("algorithms must name at least one algorithm")
         for a in self.algorithms:

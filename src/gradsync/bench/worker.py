@@ -61,7 +61,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(cfg.threads)
     check_config_agreement(json.loads(cfg.to_json()))
-    workload = get_workload(cfg.workload)
+    workload = get_workload(cfg.workload, cfg.model)
     train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
     torch.manual_seed(cfg.seed)
     model0 = workload.make_model()
@@ -72,7 +72,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         return F.cross_entropy(out, y)
 
     def make_optimizer(params):
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+        return workload.make_optimizer(params, lr=cfg.lr, momentum=0.9)
 
     def make(name: str) -> Synchroniser:
         """A fresh copy of the model under algorithm ``name``, calibrated with this run's CCR."""

@@ -115,8 +115,9 @@ def record_profile(
 
 
 def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
-    """``(model, make_batch, loss_fn)`` for a profile target: a training workload name (its model on
-    real batches) or ``resnet50`` (random 3x224x224 images, 1000 classes).
+    """``(model, make_batch, loss_fn)`` for a profile target: a training workload name, optionally with
+    a model (``fashion-mnist:resnet18``; its model on real batches), or ``resnet50`` (torchvision's
+    ResNet-50 on random 3x224x224 images, 1000 classes).
 
     Raises:
         ValueError: for an unknown name.
@@ -124,14 +125,13 @@ def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
     import torch.nn.functional as F
 
     if name == "resnet50":
-        from ..workloads.resnet50 import ResNet50
+        from ..workloads.vision import imagenet_profile_target
 
-        g = torch.Generator().manual_seed(0)
-        return (ResNet50(), lambda: (torch.randn(batch_size, 3, 224, 224, generator=g),
-                                     torch.randint(0, 1000, (batch_size,), generator=g)), F.cross_entropy)
+        return imagenet_profile_target("resnet50", batch_size)
     from ..workloads import get_workload
 
-    w = get_workload(name)
+    workload, _, model = name.partition(":")
+    w = get_workload(workload, model or None)
     x, y, _, _ = w.load(data_dir)
     g = torch.Generator().manual_seed(0)
 

@@ -1,41 +1,407 @@
 """Per-rank training checkpoints: model, optimizer, LR scheduler, RNG and the algorithm's state
 (error-feedback residuals, controller state), so a resumed run continues where it stopped.
 
-Each rank writes ``DIR/rank{r}.pt`` (residuals differ between ranks); files are written to a
-temporary name and renamed, so a crash never leaves a half-written checkpoint.
+A checkpoint is a directory ``ROOT/epoch{E}`` (end of an epoch) or ``ROOT/step{S}`` (every
+``--checkpoint-every S`` steps) holding ``rank{r}.pt`` for every rank (residuals differ between
+ranks) and ``manifest.json``. Every rank writes its file atomically (temporary file, flush,
+``fsync``, rename, ``fsync`` of the directory); the ranks then exchange the files' sizes and
+SHA-256 digests (an ``all_gather_object``, which is also the barrier), and rank 0 writes the
+manifest last, the same way. A directory without a manifest, or whose files do not match it, is
+incomplete: ``--resume latest`` skips it with a warning. Files load with
+``torch.load(weights_only=True)`` and are checked against the manifest's digest first; numpy
+arrays, numpy scalars and ``numpy.random.RandomState`` objects in a payload (some algorithm states
+hold them) are stored as tagged tensors and turned back into numpy on load (:func:`to_safe`).
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import io
+import json
 import os
+import re
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_NAME = re.compile(r"^(epoch|step)(\d+)$")
+
+
+_ND, _NS, _RS = "__gradsync_ndarray__", "__gradsync_npscalar__", "__gradsync_randomstate__"
+_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
+                torch.Size)
+
+
+def _map_dict(d: dict, fn: Any) -> dict:
+    """``d`` with every value ``v`` replaced by ``fn(k, v)``; a dict subclass keeps its type and
+    attributes (a module state_dict's ``_metadata``)."""
+    if type(d) is dict:
+        return {k: fn(k, v) for k, v in d.items()}
+    out = copy.copy(d)
+    for k, v in d.items():
+        out[k] = fn(k, v)
+    return out
+
+
+def to_safe(obj: Any, path: str = "payload") -> Any:
+    """``obj`` with numpy arrays, numpy scalars and ``numpy.random.RandomState`` objects replaced by
+    tagged dicts of tensors, so ``torch.load(weights_only=True)`` reads it; :func:`from_safe` undoes it.
+
+    Raises:
+        TypeError: naming the entry (``payload.algorithm.x``) whose type ``weights_only`` loading
+            rejects and that has no conversion (a custom class, an object array, ...).
+    """
+    import numpy as np
+
+    if isinstance(obj, _SAFE_LEAVES):
+        return obj
+    if isinstance(obj, dict):
+        return _map_dict(obj, lambda k, v: to_safe(v, f"{path}.{k}"))
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(to_safe(v, f"{path}[{i}]") for i, v in enumerate(obj))
+    if isinstance(obj, np.ndarray) and obj.dtype != object:
+        return {_ND: torch.from_numpy(np.ascontiguousarray(obj)).clone()}
+    if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+        return {_NS: torch.from_numpy(np.asarray(obj).reshape(1)).clone()}
+    if isinstance(obj, np.random.RandomState):
+        name, keys, pos, has_gauss, cached = obj.get_state()
+        return {_RS: (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
+    raise TypeError(f"checkpoint: {path} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
+                    "torch.load(weights_only=True) cannot read; store tensors, numbers, strings, lists, "
+                    "tuples or dicts in state_dict()")
+
+
+def from_safe(obj: Any) -> Any:
+    """Undo :func:`to_safe`."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (key, value), = obj.items()
+            if key == _ND:
+                return value.numpy().copy()
+            if key == _NS:
+                return value.numpy()[0]
+            if key == _RS:
+                name, keys, pos, has_gauss, cached = value
+                rs = np.random.RandomState()
+                rs.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+                return rs
+        return _map_dict(obj, lambda k, v: from_safe(v))
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(from_safe(v) for v in obj)
+    return obj
+
+
+class IncompleteCheckpoint(RuntimeError):
+    """A checkpoint directory lacks its manifest or a rank file, or a file does not match it."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint: its directory and what its manifest says (``step`` optimizer steps
+    done; ``epoch`` the epoch the run continues in; ``files`` by rank: name, bytes, sha256)."""
+
+    path: Path
+    step: int
+    epoch: int
+    world_size: int
+    algorithm: str
+    files: dict[int, dict[str, Any]]
+    created: float
 
 
 def checkpoint_file(directory: str | os.PathLike, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.pt"
 
 
-def save_checkpoint(directory: str | os.PathLike, rank: int, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` for ``rank`` atomically; returns the file path."""
+def epoch_dir(root: str | os.PathLike, epoch: int) -> Path:
+    """``ROOT/epoch{epoch}``: the checkpoint written after ``epoch`` epochs."""
+    return Path(root) / f"epoch{epoch}"
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    """``ROOT/step{step}``: the checkpoint written after optimizer step ``step`` (mid-epoch)."""
+    return Path(root) / f"step{step}"
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_rank_file(directory: str | os.PathLike, rank: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """Write ``payload`` as ``directory/rank{rank}.pt`` atomically and durably.
+
+    Returns ``{"name", "bytes", "sha256"}`` of the file (the manifest's entry).
+
+    Raises:
+        TypeError: from :func:`to_safe`, for an entry ``weights_only`` loading could not read.
+    """
     path = checkpoint_file(directory, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
-    os.replace(tmp, path)
+    buf = io.BytesIO()
+    torch.save(to_safe(payload), buf)
+    data = buf.getvalue()
+    _atomic_write(path, data)
+    return {"name": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_manifest(directory: str | os.PathLike, files: list[dict[str, Any]], *, step: int, epoch: int,
+                   algorithm: str) -> Path:
+    """Write ``directory/manifest.json`` atomically, listing ``files`` (one entry per rank, in rank
+    order). Call it only once every rank's file is durable."""
+    path = Path(directory) / MANIFEST
+    doc = {"format": FORMAT, "step": int(step), "epoch": int(epoch), "world_size": len(files),
+           "algorithm": algorithm, "created": time.time(),
+           "files": {str(r): f for r, f in enumerate(files)}}
+    _atomic_write(path, json.dumps(doc, indent=1).encode())
     return path
 
 
-def load_checkpoint(directory: str | os.PathLike, rank: int) -> dict[str, Any]:
-    """Read ``rank``'s checkpoint.
+def save_checkpoint(directory: str | os.PathLike, payload: dict[str, Any], *, step: int, epoch: int,
+                    algorithm: str) -> Path:
+    """Save this rank's ``payload`` into ``directory`` and, once every rank's file is durable,
+    the manifest (rank 0). Collective: every rank of the default group must call it (without a
+    process group it saves a one-rank checkpoint). Returns ``directory``.
+
+    Args:
+        payload: what :func:`load_checkpoint` returns: tensors, numbers, strings, None, numpy
+            arrays and ``RandomState`` objects, in lists, tuples and dicts (see :func:`to_safe`).
+        step: optimizer steps completed; epoch: the epoch the run continues in.
+    """
+    directory = Path(directory)
+    group = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+    directory.mkdir(parents=True, exist_ok=True)
+    if rank == 0:  # an older manifest must not vouch for files being replaced now
+        try:
+            os.unlink(directory / MANIFEST)
+        except FileNotFoundError:
+            pass
+    entry = save_rank_file(directory, rank, payload)
+    entries: list[Any] = [None] * world
+    if group:
+        dist.all_gather_object(entries, entry)
+    else:
+        entries = [entry]
+    if rank == 0:
+        write_manifest(directory, entries, step=step, epoch=epoch, algorithm=algorithm)
+    return directory
+
+
+def read_checkpoint_info(directory: str | os.PathLike) -> CheckpointInfo:
+    """Read and check ``directory``'s manifest: every listed file exists with the listed size.
+
+    Raises:
+        IncompleteCheckpoint: naming what is missing or wrong.
+    """
+    directory = Path(directory)
+    mpath = directory / MANIFEST
+    if not mpath.is_file():
+        raise IncompleteCheckpoint(f"{directory}: no {MANIFEST} (a rank stopped before every file was written)")
+    try:
+        doc = json.loads(mpath.read_text())
+        files = {int(r): f for r, f in doc["files"].items()}
+        info = CheckpointInfo(directory, int(doc["step"]), int(doc["epoch"]), int(doc["world_size"]),
+                              str(doc["algorithm"]), files, float(doc.get("created", 0.0)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IncompleteCheckpoint(f"{mpath}: unreadable manifest ({exc})") from None
+    if sorted(files) != list(range(info.world_size)):
+        raise IncompleteCheckpoint(f"{mpath}: lists ranks {sorted(files)}, expected 0..{info.world_size - 1}")
+    for r, f in files.items():
+        p = directory / f["name"]
+        if not p.is_file():
+            raise IncompleteCheckpoint(f"{directory}: {f['name']} of rank {r} is missing")
+        if p.stat().st_size != int(f["bytes"]):
+            raise IncompleteCheckpoint(f"{directory}: {f['name']} has {p.stat().st_size} bytes, the "
+                                       f"manifest says {f['bytes']}")
+    return info
+
+
+def _warn(msg: str) -> None:
+    print(f"gradsync: warning: {msg}", file=sys.stderr, flush=True)
+
+
+def latest_checkpoint(root: str | os.PathLike, warn: bool = True) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root`` (most steps; then the newest manifest), or None.
+
+    Incomplete checkpoint directories (``epoch*``/``step*`` without a valid manifest) are skipped,
+    with a warning on stderr when ``warn``.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = []
+    for d in sorted(root.iterdir()):
+        if not d.is_dir() or not _NAME.match(d.name):
+            continue
+        try:
+            found.append(read_checkpoint_info(d))
+        except IncompleteCheckpoint as exc:
+            if warn:
+                _warn(f"skipping incomplete checkpoint {exc}")
+    if not found:
+        return None
+    return max(found, key=lambda i: (i.step, i.created))
+
+
+def resolve_resume(resume: str | None, checkpoint_root: str | None, rank: int = 0) -> str | None:
+    """The checkpoint directory ``--resume`` names: ``"latest"`` is the newest complete one under
+    ``checkpoint_root`` (None, with a warning, when there is none yet: the run starts from
+    scratch); any other value is returned as given. Rank 0 decides and broadcasts the answer, so
+    every rank loads the same checkpoint (collective when a process group is initialised).
+
+    Raises:
+        ValueError: for ``"latest"`` without ``checkpoint_root``.
+    """
+    if resume != "latest":
+        return resume
+    if not checkpoint_root:
+        raise ValueError("resume: 'latest' needs checkpoint (--checkpoint DIR) to say where to look")
+    choice: list[Any] = [None]
+    if rank == 0:
+        info = latest_checkpoint(checkpoint_root)
+        if info is None:
+            _warn(f"--resume latest: no complete checkpoint in {checkpoint_root}; starting from scratch")
+        else:
+            print(f"resuming from {info.path} (step {info.step}, epoch {info.epoch})", flush=True)
+        choice[0] = None if info is None else str(info.path)
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def load_checkpoint(directory: str | os.PathLike, rank: int, world_size: int | None = None) -> dict[str, Any]:
+    """Read ``rank``'s checkpoint with ``torch.load(weights_only=True)``.
+
+    With a manifest the file is checked against it (SHA-256; world size when ``world_size`` is
+    given); a directory without one (an older gradsync) is read with a warning.
 
     Raises:
         FileNotFoundError: naming the missing file (a checkpoint needs one file per rank).
+        IncompleteCheckpoint: if the file does not match the manifest.
+        ValueError: if the checkpoint was written by a different number of ranks.
     """
+    directory = Path(directory)
     path = checkpoint_file(directory, rank)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found (resume needs one rank*.pt per rank, "
                                 "written by --checkpoint with the same world size)")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    data = path.read_bytes()
+    if (directory / MANIFEST).is_file():
+        info = read_checkpoint_info(directory)
+        if world_size is not None and info.world_size != world_size:
+            raise ValueError(f"resume: {directory} was written by {info.world_size} ranks, this run has "
+                             f"{world_size}")
+        if hashlib.sha256(data).hexdigest() != info.files[rank]["sha256"]:
+            raise IncompleteCheckpoint(f"{path}: SHA-256 does not match {directory / MANIFEST}")
+    elif rank == 0:
+        _warn(f"{directory} has no {MANIFEST}; it may be incomplete")
+    return from_safe(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
+
+
+def rng_state() -> dict[str, Any]:
+    """torch's CPU generator state, and every CUDA device's when CUDA is initialised."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any] | torch.Tensor) -> None:
+    """Restore :func:`rng_state` (or a bare CPU state tensor, as older checkpoints stored)."""
+    if isinstance(state, torch.Tensor):
+        torch.set_rng_state(state)
+        return
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def resume_batches(loader: Any, ckpt: dict[str, Any] | None) -> Any:
+    """An iterator over ``loader`` for the first epoch of a resumed run, positioned and seeded as
+    the uninterrupted run was when ``ckpt`` was written.
+
+    Creating a DataLoader iterator draws from torch's global generator, so an end-of-epoch
+    checkpoint (``epoch_step`` 0) restores the RNG before the iterator is made, and a mid-epoch
+    one after it has skipped the ``epoch_step`` batches already trained on. With ``ckpt`` None
+    this is ``iter(loader)``.
+    """
+    if ckpt is None:
+        return iter(loader)
+    skip = int(ckpt.get("epoch_step", 0))
+    if skip == 0:
+        set_rng_state(ckpt["rng"])
+        return iter(loader)
+    it = iter(loader)
+    for _ in range(skip):
+        next(it)
+    set_rng_state(ckpt["rng"])
+    return it
+
+
+def save_training_checkpoint(directory: str | os.PathLike, cfg: Any, dp: Any, sched: Any, *, epoch: int,
+                             epoch_step: int, step: int, train_seconds: float,
+                             iterations: list[dict[str, Any]], epochs: list[dict[str, Any]]) -> Path:
+    """Save the training state of this rank (collective, see :func:`save_checkpoint`).
+
+    ``dp`` is the :class:`~gradsync.algorithms.synchroniser.Synchroniser` (flushed first, so a
+    pending DeAR update is in the parameters), ``sched`` the LR scheduler; ``epoch`` is the epoch
+    the run continues in and ``epoch_step`` the batches of it already trained on (0 after an epoch).
+    """
+    dp.flush()
+    payload = {"config": cfg.to_dict(), "epoch": epoch, "epoch_step": epoch_step, "step": step,
+               "train_seconds": train_seconds, "model": dp.module.state_dict(),
+               "optimizer": dp.optimizer.state_dict(), "scheduler": sched.state_dict(),
+               "algorithm": dp.state_dict(), "rng": rng_state(), "iterations": iterations,
+               "epochs": epochs}
+    return save_checkpoint(directory, payload, step=step, epoch=epoch, algorithm=cfg.algorithm)
+
+
+def restore_training(cfg: Any, dp: Any, sched: Any) -> dict[str, Any] | None:
+    """Load the checkpoint ``cfg.resume`` names (``"latest"``: see :func:`resolve_resume`) into the
+    model, optimizer, LR scheduler and algorithm state; return it (epoch, step, logs; its RNG state
+    is restored by :func:`resume_batches`), or None when ``latest`` found nothing. Collective.
+
+    Raises:
+        FileNotFoundError: if this rank's file is missing.
+        ValueError: if the checkpoint was written by another algorithm or world size.
+        IncompleteCheckpoint: if the file does not match its manifest.
+    """
+    group = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+    path = resolve_resume(cfg.resume, cfg.checkpoint, rank)
+    if path is None:
+        return None
+    ckpt = load_checkpoint(path, rank, world)
+    if ckpt["config"]["algorithm"] != cfg.algorithm:
+        raise ValueError(f"resume: checkpoint was written by algorithm {ckpt['config']['algorithm']!r}, "
+                         f"not {cfg.algorithm!r}")
+    dp.module.load_state_dict(ckpt["model"])
+    dp.optimizer.load_state_dict(ckpt["optimizer"])
+    sched.load_state_dict(ckpt["scheduler"])
+    dp.load_state_dict(ckpt["algorithm"])
+    return ckpt

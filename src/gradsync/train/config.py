@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from ..algorithms import REGISTRY, make_options
 from ..options import Options, option
-from ..workloads import WORKLOADS
+from ..workloads import WORKLOADS, get_workload
 
 
 @dataclass
@@ -16,6 +16,9 @@ class SharedConfig(Options):
     """Settings shared by ``gradsync train`` and ``gradsync bench``."""
 
     workload: str = option("fashion-mnist", "training workload (model + real dataset)", choices=sorted(WORKLOADS))
+    model: Optional[str] = option(None, "architecture for the workload (fashion-mnist: resnet8 or a torchvision "
+                                  "classification model such as resnet18, resnet50, mobilenet_v3_small); "
+                                  "default: the workload's")
     threads: int = option(1, "torch threads per rank", low=1, high=256)
     seed: int = option(0, "seed of the model, the data order and every algorithm's randomness", low=0,
                        high=2**63 - 1)
@@ -43,12 +46,17 @@ class TrainConfig(SharedConfig):
     lr: Optional[float] = option(None, "peak learning rate of the one-cycle schedule; default: the workload's",
                                  low=0.0, high=10.0, low_open=True)
     momentum: float = option(0.9, "SGD momentum", low=0.0, high=1.0, high_open=True)
-    weight_decay: float = option(5e-4, "SGD weight decay", low=0.0, high=1.0)
+    weight_decay: Optional[float] = option(None, "weight decay; default: the workload's (5e-4 for SGD)", low=0.0,
+                                           high=1.0)
     max_steps: Optional[int] = option(None, "stop after this many optimizer steps in total", low=1)
     train_samples: Optional[int] = option(None, "train on the first N training samples only", low=1)
-    checkpoint: Optional[str] = option(None, "directory; after every epoch each rank writes DIR/epochE/rankR.pt "
-                                       "(model, optimizer, scheduler, error-feedback residuals, controller state)")
-    resume: Optional[str] = option(None, "continue from a DIR/epochE checkpoint directory")
+    checkpoint: Optional[str] = option(None, "directory; after every epoch (and every --checkpoint-every steps) "
+                                       "each rank writes DIR/epochE or DIR/stepS/rankR.pt (model, optimizer, "
+                                       "scheduler, error-feedback residuals, controller state), then a manifest")
+    checkpoint_every: Optional[int] = option(None, "also checkpoint every N optimizer steps (needs --checkpoint)",
+                                             low=1, units="steps")
+    resume: Optional[str] = option(None, "continue from a checkpoint directory, or 'latest': the newest complete "
+                                   "checkpoint under --checkpoint")
     out: Optional[str] = option(None, "write metrics.json and curves.png here")
     timeout: float = option(120.0, "seconds before a collective waiting on a dead peer fails", low=1.0,
                             high=86_400.0, units="s")
@@ -60,9 +68,15 @@ class TrainConfig(SharedConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key, value in WORKLOADS[self.workload].defaults.items():
-            if getattr(self, key) is None:
+        for key, value in get_workload(self.workload, self.model).defaults.items():
+            if getattr(self, key, value) is None:
                 setattr(self, key, value)
+        if self.weight_decay is None:
+            self.weight_decay = 5e-4
+        if self.checkpoint_every is not None and not self.checkpoint:
+            raise ValueError("checkpoint_every needs checkpoint (--checkpoint DIR) to say where to write")
+        if self.resume == "latest" and not self.checkpoint:
+            raise ValueError("resume 'latest' needs checkpoint (--checkpoint DIR) to say where to look")
         self.options = make_options(self.algorithm, self.options).to_dict()
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: t
     every world-th sample and the sums are all-reduced."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     xs, ys = x[rank::world], y[rank::world]
-    sums = torch.zeros(3, dtype=torch.float64)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
     was_training = model.training
     model.eval()
     with torch.no_grad():

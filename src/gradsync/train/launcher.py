@@ -1,4 +1,5 @@
-"""Start the training ranks: under ``torchrun`` use its environment, otherwise spawn local workers.
+"""Start the training ranks: under ``torchrun`` use its environment, otherwise start local workers
+(:class:`gradsync.launch.LocalRanks`, which stops the others and reports when one dies).
 
 Local workers join a Gloo process group on 127.0.0.1 (a free port is chosen); under ``torchrun``
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) the backend is NCCL when CUDA is available, else
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import shlex
+import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ..comm.rendezvous import free_port
+from ..launch import LocalRanks, RankFailure
 from .config import TrainConfig
 
 
@@ -46,36 +49,75 @@ def _run_rank(rank: int, world: int, local_rank: int, cfg: TrainConfig) -> dict[
         dist.destroy_process_group()
 
 
-def _spawned(index: int, world: int, port: int, cfg: TrainConfig, queue) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    result = _run_rank(index, world, index, cfg)
-    if result is not None:
-        queue.put(result)
+def _local_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any] | None:
+    return _run_rank(rank, world, rank, cfg)
+
+
+class TrainingFailed(RankFailure):
+    """A local training rank failed and the others were stopped; :meth:`report` is the message for
+    the user: which rank, how it ended, the last completed step, the newest complete checkpoint
+    and the command that resumes from it."""
+
+    def __init__(self, failure: RankFailure, checkpoint_dir: str | None):
+        super().__init__(failure.failed, failure.exits, failure.steps, failure.timed_out,
+                         timeout=failure.timeout, results=failure.results)
+        self.checkpoint = None
+        if checkpoint_dir:
+            from .checkpoint import latest_checkpoint
+
+            self.checkpoint = latest_checkpoint(checkpoint_dir, warn=False)
+
+    def report(self, argv: Sequence[str] | None = None) -> str:
+        """The message, with a resume command built from ``argv`` (default ``sys.argv[1:]``)."""
+        lines = [f"gradsync train: {self.failed.describe()}"
+                 + (f"; stopped the other {len(self.exits) - 1} rank(s)" if len(self.exits) > 1 else "")]
+        step = self.last_step
+        if not step and self.failed.error is not None:
+            return lines[0]  # failed while starting (a configuration or data error): nothing to resume
+        lines.append(f"  last completed step: {step if step else 'none'}")
+        if self.checkpoint is None:
+            lines.append("  no complete checkpoint to resume from (write them with --checkpoint DIR "
+                         "--checkpoint-every N)")
+        else:
+            info = self.checkpoint
+            lines.append(f"  newest checkpoint: {info.path} (step {info.step}, epoch {info.epoch})")
+            lines.append(f"  resume with: {resume_command(argv, str(info.path))}")
+        return "\n".join(lines)
+
+
+def resume_command(argv: Sequence[str] | None, checkpoint: str) -> str:
+    """``gradsync`` + ``argv`` (default ``sys.argv[1:]``) with ``--resume`` set to ``checkpoint``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == "--resume":
+            skip = True
+            continue
+        if a.startswith("--resume="):
+            continue
+        out.append(a)
+    return shlex.join(["gradsync", *out, "--resume", checkpoint])
 
 
 def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run training on every rank and return rank 0's results (``None`` on other torchrun ranks).
 
+    Local ranks are started with ``spawn`` (safe with CUDA and OpenMP state in the parent) by
+    :class:`gradsync.launch.LocalRanks`.
+
     Raises:
-        torch.multiprocessing.ProcessRaisedException: when a spawned rank fails (its traceback
-            is in the message); the other ranks are terminated.
+        TrainingFailed: when a local rank fails (exception, exit code or signal); the other ranks
+            are stopped first.
     """
     if under_torchrun():
         return _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         int(os.environ.get("LOCAL_RANK", 0)), cfg)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.start_processes(_spawned, args=(cfg.workers, free_port(), cfg, queue),
-                               nprocs=cfg.workers, join=False, start_method="spawn")
-    # Read rank 0's result while waiting: a large result blocks its writer until it is read.
-    result = None
-    while True:
-        if result is None and not queue.empty():
-            result = queue.get()
-        if procs.join(timeout=0.5):
-            break
-    if result is None and not queue.empty():
-        result = queue.get()
-    return result
+                         int(os.environ.get("LOCAL_RANK", "0")), cfg)
+    with LocalRanks(cfg.workers) as ranks:
+        ranks.start_function(_local_rank, (cfg,), start_method="spawn")
+        try:
+            return ranks.join()[0]
+        except RankFailure as exc:
+            raise TrainingFailed(exc, cfg.checkpoint) from None

@@ -11,12 +11,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from ..algorithms import BuildContext, Synchroniser, build
+from ..algorithms import BuildContext, build
 from ..comm.agreement import check_config_agreement
+from ..launch import rank_progress
 from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..workloads import get_workload
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
 from .config import TrainConfig
 from .evaluate import evaluate
 
@@ -38,7 +39,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     torch.set_num_threads(cfg.threads)
     check_config_agreement(cfg.agreement_fields())
 
-    workload = get_workload(cfg.workload)
+    workload = get_workload(cfg.workload, cfg.model)
     train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
     if cfg.train_samples is not None:
         train_x, train_y = train_x[:cfg.train_samples], train_y[:cfg.train_samples]
@@ -56,8 +57,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     model = workload.make_model().to(device)
 
     def make_optimizer(params):
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
-                               weight_decay=cfg.weight_decay, nesterov=True)
+        return workload.make_optimizer(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
     def loss_fn(out, y):
         return F.cross_entropy(out, y)
@@ -93,19 +93,20 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     iterations: list[dict[str, float]] = []
     epoch_log: list[dict[str, float]] = []
     start_epoch, step, train_time = 0, 0, 0.0
-    if cfg.resume:
-        ckpt = _restore(cfg, rank, dp, sched)
+    ckpt = restore_training(cfg, dp, sched) if cfg.resume else None
+    if ckpt is not None:
         start_epoch, step, train_time = ckpt["epoch"], ckpt["step"], ckpt["train_seconds"]
         iterations, epoch_log = ckpt["iterations"], ckpt["epochs"]
         if progress is not None:
             progress.update(step)
     start_step = step
+    reporter = rank_progress(step)
     stats0 = dp.stats()
     last_bytes = stats0["bytes_sent"]
     wall0 = time.perf_counter() - (iterations[-1]["wall_s"] if iterations else 0.0)
     for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
-        for xb, yb in loader:
+        for xb, yb in resume_batches(loader, ckpt if epoch == start_epoch else None):
             if step >= total_steps:
                 break
             xb, yb = workload.augment(xb.to(device)), yb.to(device)
@@ -124,6 +125,12 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                       "lr": sched.get_last_lr()[0], **observed}
             iterations.append(record)
             last_bytes = sent
+            reporter.report(step)
+            if (cfg.checkpoint and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
+                    and step % steps_per_epoch and step < total_steps):  # else the epoch's checkpoint
+                save_training_checkpoint(step_dir(cfg.checkpoint, step), cfg, dp, sched, epoch=epoch,
+                                         epoch_step=step - epoch * steps_per_epoch, step=step,
+                                         train_seconds=train_time, iterations=iterations, epochs=epoch_log)
             if progress is not None:
                 progress.update(1)
                 if step % 20 == 0:
@@ -139,11 +146,9 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             else:
                 print(line, flush=True)
         if cfg.checkpoint:
-            save_checkpoint(f"{cfg.checkpoint}/epoch{epoch + 1}", rank, {
-                "config": cfg.to_dict(), "epoch": epoch + 1, "step": step, "train_seconds": train_time,
-                "model": dp.module.state_dict(), "optimizer": dp.optimizer.state_dict(),
-                "scheduler": sched.state_dict(), "algorithm": dp.state_dict(),
-                "rng": torch.get_rng_state(), "iterations": iterations, "epochs": epoch_log})
+            save_training_checkpoint(epoch_dir(cfg.checkpoint, epoch + 1), cfg, dp, sched, epoch=epoch + 1,
+                                     epoch_step=0, step=step, train_seconds=train_time,
+                                     iterations=iterations, epochs=epoch_log)
         if step >= total_steps:
             break
     if progress is not None:
@@ -181,23 +186,3 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
             "iterations": iterations, "epochs": epoch_log}
-
-
-def _restore(cfg: TrainConfig, rank: int, dp: Synchroniser, sched: Any) -> dict[str, Any]:
-    """Load this rank's checkpoint from ``cfg.resume`` into the model, optimizer, LR scheduler,
-    algorithm state and torch RNG; return the checkpoint (epoch, step, logs).
-
-    Raises:
-        FileNotFoundError: if the rank's file is missing.
-        ValueError: if the checkpoint was written by another algorithm.
-    """
-    ckpt = load_checkpoint(cfg.resume, rank)
-    if ckpt["config"]["algorithm"] != cfg.algorithm:
-        raise ValueError(f"resume: checkpoint was written by algorithm {ckpt['config']['algorithm']!r}, "
-                         f"not {cfg.algorithm!r}")
-    dp.module.load_state_dict(ckpt["model"])
-    dp.optimizer.load_state_dict(ckpt["optimizer"])
-    sched.load_state_dict(ckpt["scheduler"])
-    dp.load_state_dict(ckpt["algorithm"])
-    torch.set_rng_state(ckpt["rng"])
-    return ckpt

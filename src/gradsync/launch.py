@@ -1,0 +1,432 @@
+"""Start the ranks of a job on this machine and watch them: one code path for ``gradsync train``,
+``gradsync bench`` and the test suite.
+
+:class:`LocalRanks` starts ``world`` ranks, either as Python callables (``fork`` for fast test start,
+``spawn`` for training and CUDA) or as commands (``python -m ...``), optionally wrapped per rank
+(``ip netns exec NS`` for the hosts of an emulated cluster). Every rank gets the torch.distributed
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``GLOO_SOCKET_IFNAME``) and a progress slot (:func:`rank_progress`). :meth:`LocalRanks.join` waits;
+when a rank dies (signal, non-zero exit, or an exception it reports) the others are stopped and
+:class:`RankFailure` says which rank failed, how it ended and the last step every rank completed.
+
+``torch.distributed.elastic.multiprocessing.start_processes`` was considered: it reports the failed
+rank and its exit code or signal too, but its function path prints every rank's traceback (the
+secondary "connection closed by peer" errors of the survivors included) and installs SIGTERM/SIGINT
+handlers in the caller, its command path needs a log directory per run, and it returns only the
+first failure; the small supervisor here keeps fork start, per-rank command wrappers and quiet,
+structured failures.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+from .comm.rendezvous import free_port
+
+#: Environment variable naming the directory with one progress file per rank.
+PROGRESS_ENV = "GRADSYNC_PROGRESS_DIR"
+_STEP = struct.Struct("<q")
+
+
+class RankProgress:
+    """Where this rank tells its launcher how far it got: ``report(step)`` once per completed step.
+
+    The step is written with one ``pwrite`` of 8 bytes into a per-rank file under the launcher's
+    temporary directory (about a microsecond; no collective, no lock), so the launcher can say which
+    step every rank completed when one of them dies; the file's next 8 bytes hold the rank's process
+    id. Without a local launcher (``torchrun``, or a plain process group) ``report`` does nothing.
+    """
+
+    def __init__(self, path: str | None, step: int = 0):
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
+        if self._fd is not None:
+            os.pwrite(self._fd, _STEP.pack(int(step)) + _STEP.pack(os.getpid()), 0)
+
+    def report(self, step: int) -> None:
+        """Record that optimizer step ``step`` (1-based, counted over the whole run) is complete."""
+        if self._fd is not None:
+            os.pwrite(self._fd, _STEP.pack(int(step)), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def rank_progress(step: int = 0) -> RankProgress:
+    """This rank's :class:`RankProgress`, starting at ``step`` (the step a resumed run starts
+    from); a no-op one unless the rank was started by :class:`LocalRanks`."""
+    directory, rank = os.environ.get(PROGRESS_ENV), os.environ.get("RANK")
+    if not directory or rank is None or not os.path.isdir(directory):
+        return RankProgress(None)
+    return RankProgress(os.path.join(directory, f"rank{int(rank)}"), step)
+
+
+def _read_step(path: str) -> int | None:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_STEP.size)
+    except OSError:
+        return None
+    return _STEP.unpack(data)[0] if len(data) == _STEP.size else None
+
+
+@dataclass
+class RankExit:
+    """How one rank ended.
+
+    ``exitcode`` follows ``subprocess``: negative for a signal (``-9`` is SIGKILL), ``None`` while
+    running. ``error`` is ``"Type: message"`` of an exception the rank reported, ``where`` the
+    innermost frame (``file:line in function``), ``traceback`` the full text; ``log_tail`` the end of
+    a command rank's log; ``stopped`` is True when the launcher terminated it after another rank failed.
+    """
+
+    rank: int
+    exitcode: int | None = None
+    error: str | None = None
+    where: str | None = None
+    traceback: str | None = None
+    log_tail: str | None = None
+    stopped: bool = False
+
+    @property
+    def signal(self) -> str | None:
+        """Name of the signal that ended the rank (``"SIGKILL"``), or None."""
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    @property
+    def failed(self) -> bool:
+        return not self.stopped and (self.error is not None or self.exitcode not in (None, 0))
+
+    def describe(self) -> str:
+        """One phrase: ``"rank 1 was killed by SIGKILL"``, ``"rank 0 raised ValueError: ..."``."""
+        if self.error is not None:
+            return f"rank {self.rank} raised {self.error}" + (f" (at {self.where})" if self.where else "")
+        if self.signal is not None:
+            return f"rank {self.rank} was killed by {self.signal}"
+        if self.exitcode is None:
+            return f"rank {self.rank} did not finish"
+        return f"rank {self.rank} exited with code {self.exitcode}"
+
+
+class RankFailure(RuntimeError):
+    """A local rank failed; the other ranks were stopped.
+
+    Attributes:
+        failed: the :class:`RankExit` of the rank that failed first (a rank that died by a signal or
+            an exit code is preferred over ranks that raised afterwards, e.g. "connection closed").
+        exits: every rank's :class:`RankExit`.
+        steps: the last step each rank reported through :class:`RankProgress` (absent if none).
+        timed_out: True when the ranks did not finish within ``join``'s ``timeout``.
+        results: return values of the function ranks that finished, by rank.
+    """
+
+    def __init__(self, failed: RankExit, exits: dict[int, RankExit], steps: dict[int, int],
+                 timed_out: bool = False, timeout: float | None = None,
+                 results: dict[int, Any] | None = None):
+        self.failed, self.exits, self.steps, self.timed_out = failed, exits, steps, timed_out
+        self.timeout = timeout
+        self.results = results or {}
+        if timed_out:
+            msg = f"ranks did not finish within {timeout or 0:.0f} s"
+        else:
+            msg = failed.describe()
+        if self.last_step is not None:
+            msg += f"; last step completed by every rank: {self.last_step}"
+        if failed.log_tail:
+            msg += ":\n" + failed.log_tail
+        super().__init__(msg)
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step every rank completed (minimum over ranks), None if no rank reported one."""
+        if not self.steps:
+            return None
+        return min(self.steps.get(r, 0) for r in self.exits)
+
+
+def _function_rank(rank: int, world: int, env: dict[str, str], fn: Callable[..., Any],
+                   args: tuple, results: Any) -> None:
+    """Body of a function rank: set the environment, run ``fn`` and report its result or error."""
+    os.environ.update(env)
+    try:
+        value = fn(rank, world, *args)
+        # plain pickle: torch's shared-memory tensor pickling breaks once this process exits
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher instead of printed
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f"{os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name}" if tb else None
+        message = str(exc).strip().splitlines()
+        text = f"{type(exc).__name__}: {message[0] if message else ''}".rstrip(": ")
+        results.put((rank, False, (text, where, traceback.format_exc())))
+        results.close()
+        results.join_thread()
+        sys.exit(1)
+
+
+class LocalRanks:
+    """``world`` ranks on this machine.
+
+    Args:
+        world: number of ranks, >= 1.
+        master_addr: rendezvous address (``MASTER_ADDR``); ``127.0.0.1`` for loopback.
+        port: rendezvous port (``MASTER_PORT``); None picks a free one.
+        socket_ifname: ``GLOO_SOCKET_IFNAME`` for every rank, or a function of the rank (the
+            interface inside an emulated host's namespace); None leaves the variable alone.
+        env: extra environment variables for every rank (they win over the ones above, e.g.
+            ``LOCAL_RANK=0`` when every rank stands for a host of its own).
+
+    Use: ``ranks.start_function(fn, args)`` or ``ranks.start_command(argv_of)``, then
+    ``results = ranks.join()``; as a context manager the ranks are stopped and the temporary
+    progress directory removed on exit.
+
+    Raises:
+        ValueError: if ``world`` < 1.
+    """
+
+    def __init__(self, world: int, *, master_addr: str = "127.0.0.1", port: int | None = None,
+                 socket_ifname: str | Callable[[int], str] | None = "lo",
+                 env: Mapping[str, str] | None = None):
+        if not isinstance(world, int) or world < 1:
+            raise ValueError(f"world must be an integer >= 1, got {world!r}")
+        self.world = world
+        self.master_addr = master_addr
+        self.port = port if port is not None else free_port()
+        self._ifname = socket_ifname
+        self._extra_env = dict(env or {})
+        self._dir = tempfile.mkdtemp(prefix="gradsync-ranks-")
+        self._procs: list[Any] = []
+        self._kind: str | None = None
+        self._results: Any = None
+        self._logs: dict[int, IO] = {}
+
+    def env(self, rank: int) -> dict[str, str]:
+        """The environment variables set for ``rank`` (on top of the inherited ones)."""
+        env = dict(RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(self.world), MASTER_ADDR=self.master_addr,
+                   MASTER_PORT=str(self.port), **{PROGRESS_ENV: self._dir})
+        if self._ifname is not None:
+            env["GLOO_SOCKET_IFNAME"] = self._ifname(rank) if callable(self._ifname) else self._ifname
+        env.update(self._extra_env)
+        return env
+
+    def start_function(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+                       start_method: str = "fork") -> None:
+        """Run ``fn(rank, world, *args)`` in one new process per rank; its return value (picklable)
+        comes back from :meth:`join`. ``fork`` starts in ~0.05 s after torch is imported; use
+        ``spawn`` when the parent holds CUDA or OpenMP state (``fn`` and ``args`` must then pickle).
+
+        Raises:
+            ValueError: for an unknown ``start_method``.
+        """
+        if start_method not in ("fork", "spawn", "forkserver"):
+            raise ValueError(f"start_method must be fork, spawn or forkserver, got {start_method!r}")
+        self._claim("function")
+        ctx = mp.get_context(start_method)
+        self._results = ctx.Queue()
+        for r in range(self.world):
+            p = ctx.Process(target=_function_rank, args=(r, self.world, self.env(r), fn, tuple(args),
+                                                         self._results), daemon=False)
+            p.start()
+            self._procs.append(p)
+
+    def start_command(self, argv: Callable[[int], Sequence[str]], *,
+                      popen: Callable[..., subprocess.Popen] | None = None,
+                      output: Callable[[int], tuple[Any, Any]] | None = None) -> None:
+        """Run the command ``argv(rank)`` per rank with the inherited environment plus :meth:`env`.
+
+        Args:
+            argv: the command of each rank, e.g. ``[sys.executable, "-m", "pkg.worker", cfg]``.
+            popen: starts one rank: ``popen(rank, argv, env=..., stdout=..., stderr=...)``; default
+                ``subprocess.Popen`` (an emulated cluster passes its ``popen``, which runs the
+                command inside the rank's network namespace).
+            output: ``(stdout, stderr)`` for a rank (``None`` inherits); by default stdout is
+                inherited and stderr goes to a log whose tail is reported if the rank fails.
+        """
+        self._claim("command")
+        for r in range(self.world):
+            env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env(r))
+            if output is not None:
+                out, err = output(r)
+            else:
+                out, err = None, self._log(r)
+            cmd = list(argv(r))
+            if popen is None:
+                p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
+            else:
+                p = popen(r, cmd, env=env, stdout=out, stderr=err)
+            self._procs.append(p)
+
+    def log(self, rank: int) -> IO:
+        """A writable log file for ``rank`` (its tail is reported when the rank fails)."""
+        return self._log(rank)
+
+    def _log(self, rank: int) -> IO:
+        if rank not in self._logs:
+            self._logs[rank] = open(os.path.join(self._dir, f"rank{rank}.log"), "w+b")
+        return self._logs[rank]
+
+    def _claim(self, kind: str) -> None:
+        if self._kind is not None:
+            raise RuntimeError("ranks were already started")
+        self._kind = kind
+
+    def steps(self) -> dict[int, int]:
+        """The last step each rank reported through :class:`RankProgress`."""
+        out = {}
+        for r in range(self.world):
+            s = _read_step(os.path.join(self._dir, f"rank{r}"))
+            if s is not None:
+                out[r] = s
+        return out
+
+    def _exitcode(self, r: int) -> int | None:
+        p = self._procs[r]
+        return p.exitcode if self._kind == "function" else p.poll()
+
+    def _drain(self, outcomes: dict[int, tuple[bool, Any]], wait_s: float = 0.0) -> None:
+        if self._results is None:
+            if wait_s:
+                time.sleep(wait_s)
+            return
+        try:
+            rank, ok, value = self._results.get(timeout=wait_s) if wait_s else self._results.get_nowait()
+            outcomes[rank] = (ok, pickle.loads(value) if ok else value)
+            while True:
+                rank, ok, value = self._results.get_nowait()
+                outcomes[rank] = (ok, pickle.loads(value) if ok else value)
+        except queue_mod.Empty:
+            pass
+
+    def join(self, timeout: float | None = None, stop_on_failure: bool = True,
+             grace_s: float = 0.5) -> list[Any]:
+        """Wait for every rank; return the function ranks' return values by rank (``None`` for
+        command ranks).
+
+        Args:
+            timeout: seconds for the whole job; None waits as long as ranks run.
+            stop_on_failure: stop the other ranks as soon as one fails (else wait for all).
+            grace_s: after the first failure, how long to collect the others' outcomes before
+                stopping them (so the rank that died first is named, not a peer that raised
+                "connection closed" right after).
+
+        Raises:
+            RankFailure: when a rank fails or the job runs past ``timeout``.
+        """
+        if self._kind is None:
+            raise RuntimeError("no ranks were started")
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        order: list[int] = []  # ranks in the order their failure was seen
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failed_at = None
+        timed_out = False
+        try:
+            while True:
+                self._drain(outcomes, wait_s=0.05)
+                codes = [self._exitcode(r) for r in range(self.world)]
+                if self._kind == "function" and all(c is not None for c in codes):
+                    self._drain(outcomes)
+                for r in range(self.world):
+                    bad = (r in outcomes and not outcomes[r][0]) or codes[r] not in (None, 0)
+                    if bad and r not in order:
+                        order.append(r)
+                if order and failed_at is None:
+                    failed_at = time.monotonic()
+                if all(c is not None for c in codes):
+                    break
+                if stop_on_failure and failed_at is not None and time.monotonic() - failed_at >= grace_s:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    timed_out = True
+                    break
+        finally:
+            stopped = self._stop()
+            self._drain(outcomes)
+        exits = {}
+        for r in range(self.world):
+            e = RankExit(r, self._exitcode(r), stopped=r in stopped)
+            if r in outcomes and not outcomes[r][0]:
+                e.error, e.where, e.traceback = outcomes[r][1]
+                e.stopped = False
+            elif self._kind == "function" and r not in outcomes and e.exitcode == 0:
+                e.error = "no result (the process exited without reporting one)"
+            if e.failed and r in self._logs:
+                e.log_tail = self._tail(r)
+            exits[r] = e
+        failures = [r for r in range(self.world) if exits[r].failed]
+        if failures or timed_out:
+            # A rank that died without reporting (signal, exit code) is the likely cause; the
+            # others typically raised because their peer went away.
+            hard = [r for r in order if exits[r].failed and exits[r].error is None]
+            first = (hard or [r for r in order if exits[r].failed] or failures or [0])[0]
+            raise RankFailure(exits[first], exits, self.steps(), timed_out=timed_out, timeout=timeout,
+                              results={r: v for r, (ok, v) in outcomes.items() if ok})
+        return [outcomes[r][1] if r in outcomes else None for r in range(self.world)]
+
+    def _tail(self, rank: int, chars: int = 3000) -> str:
+        log = self._logs[rank]
+        log.flush()
+        log.seek(0)
+        return log.read().decode(errors="replace")[-chars:].strip()
+
+    def _stop(self, wait_s: float = 5.0) -> set[int]:
+        """SIGTERM every running rank, SIGKILL those still running after ``wait_s``; return them."""
+        running = {r for r in range(len(self._procs)) if self._exitcode(r) is None}
+        for r in running:
+            try:
+                self._procs[r].terminate()
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait_s
+        for r in running:
+            p = self._procs[r]
+            left = max(0.0, end - time.monotonic())
+            if self._kind == "function":
+                p.join(left)
+                if p.exitcode is None:
+                    p.kill()
+                    p.join()
+            else:
+                try:
+                    p.wait(left)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        return running
+
+    def close(self) -> None:
+        """Stop any running rank, close the logs and remove the temporary directory."""
+        if self._procs:
+            self._stop()
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()
+        if self._results is not None:
+            self._results.close()
+            self._results = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalRanks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

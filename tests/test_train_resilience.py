@@ -1,0 +1,104 @@
+"""A killed rank ends ``gradsync train`` with one message; a run resumed from a mid-epoch
+``--checkpoint-every`` checkpoint (found by ``--resume latest``) continues the uninterrupted run."""
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradsync.workloads import fashion_mnist
+
+pytestmark = pytest.mark.skipif(
+    not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
+    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)",
+)
+
+CLI = [sys.executable, "-m", "gradsync", "train", "--no-progress"]
+
+
+@pytest.mark.timeout(600)
+def test_sigkill_of_one_rank_gives_one_message_and_the_resume_command(tmp_path):
+    timeout = 60
+    ck, tmp = tmp_path / "ck", tmp_path / "tmp"
+    tmp.mkdir()
+    args = ["--algorithm", "allreduce", "--train-samples", "1280", "--max-steps", "500",
+            "--checkpoint", str(ck), "--checkpoint-every", "3", "--timeout", str(timeout)]
+    proc = subprocess.Popen(CLI + args, env=dict(os.environ, TMPDIR=str(tmp)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (ck / "step6" / "manifest.json").exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint at step 6 within 240 s"
+            time.sleep(0.1)
+        # the launcher's progress file of rank 1: last step, then the rank's pid
+        slot, = glob.glob(str(tmp / "gradsync-ranks-*" / "rank1"))
+        _, pid = struct.unpack("<qq", Path(slot).read_bytes()[:16])
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=timeout + 30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    assert elapsed < timeout, f"took {elapsed:.1f} s, more than --timeout {timeout}"
+    assert "Traceback" not in err and "Exception" not in err, err
+    lines = err.strip().splitlines()
+    assert lines[0] == "gradsync train: rank 1 was killed by SIGKILL; stopped the other 1 rank(s)", err
+    step = int(lines[1].split("last completed step:")[1])
+    assert step >= 6
+    m = re.fullmatch(r"  newest checkpoint: (\S+) \(step (\d+), epoch 0\)", lines[2])
+    assert m, err
+    newest, ck_step = Path(m.group(1)), int(m.group(2))
+    # the newest with a manifest; a checkpoint of the last step may have been cut off by the kill
+    assert newest == ck / f"step{ck_step}" and ck_step % 3 == 0 and step - 3 <= ck_step <= step
+    assert (newest / "manifest.json").is_file()
+    assert not (ck / f"step{ck_step + 3}" / "manifest.json").exists()
+    assert lines[3].strip() == ("resume with: gradsync train --no-progress " + " ".join(args)
+                                + f" --resume {newest}"), err
+    assert len(lines) == 4, err
+    assert not glob.glob(str(tmp / "gradsync-ranks-*")), "the launcher removes its temporary directory"
+
+
+def _train(tmp_path, name, algorithm, *extra):
+    out = tmp_path / name
+    proc = subprocess.run(CLI + ["--algorithm", algorithm, "--ratio", "2", "--train-samples", "1280",
+                                 "--max-steps", "6", "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text()), proc
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("algorithm", ["allreduce", "covap"])
+def test_resume_latest_mid_epoch_continues_the_uninterrupted_losses(tmp_path, algorithm):
+    # 1280 samples, 2 ranks, batch 64: 10 steps per epoch, cut at 6: checkpoints at steps 2 and 4
+    # (mid-epoch) and epoch1 (step 6); one evaluation per run keeps the test short
+    ck = tmp_path / "ck"
+    full, _ = _train(tmp_path, "full", algorithm, "--checkpoint", str(ck), "--checkpoint-every", "2")
+    assert {p.name for p in ck.iterdir()} == {"step2", "step4", "epoch1"}
+    # step 4 is the newest complete checkpoint; epoch1 lost its manifest (as if a rank died)
+    resume = tmp_path / "resume"
+    resume.mkdir()
+    for name in ("step2", "step4", "epoch1"):
+        shutil.copytree(ck / name, resume / name)
+    os.unlink(resume / "epoch1" / "manifest.json")
+    part, proc = _train(tmp_path, "part", algorithm, "--checkpoint", str(resume), "--resume", "latest")
+    assert "skipping incomplete checkpoint" in proc.stderr and "epoch1: no manifest.json" in proc.stderr
+    assert f"resuming from {resume / 'step4'} (step 4, epoch 0)" in proc.stdout
+    a = [i["loss"] for i in full["iterations"]]
+    b = [i["loss"] for i in part["iterations"]]
+    assert len(a) == len(b) == 6
+    assert b[4:] == a[4:], "steps 5 and 6, trained after the resume, repeat the uninterrupted run exactly"
+    assert [(e["test_loss"], e["test_acc"]) for e in part["epochs"]] == \
+        [(e["test_loss"], e["test_acc"]) for e in full["epochs"]]
