@@ -14,6 +14,7 @@ arXiv 1708.07747; COVAP: Meng, Sun & Li, arXiv 2311.04499.
 
 import argparse
 
+import gradsync.integrations.lightning  # noqa: F401,E402  (makes torchvision importable first)
 import lightning.pytorch as L
 import torch
 import torch.nn.functional as F

@@ -59,6 +59,7 @@ def _residual_sums(state) -> dict[str, float]:
 
 
 def _lightning_job(out: Path) -> None:
+    import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
     import lightning.pytorch as L
     import torch
     import torch.nn.functional as F
@@ -416,6 +417,7 @@ def test_accelerate_register_hook_warns_and_returns_none_in_one_process():
 
 def test_lightning_hook_warns_and_registers_nothing_in_one_process(tmp_path):
     pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
     import lightning.pytorch as L
     import torch
     import torch.nn.functional as F

@@ -32,11 +32,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from ..workloads.vision import torchvision_models
 
-from . import build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
+torchvision_models()  # torchmetrics (imported by Lightning) imports torchvision; make it importable first
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
+
+from . import build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 
 
 class GradsyncHook(Callback):
