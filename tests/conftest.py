@@ -2,3 +2,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+try:  # torchvision's CUDA-built C++ ops do not load beside the CPU torch; Lightning imports torchvision
+    from gradsync.workloads.vision import torchvision_models
+
+    torchvision_models()
+except ImportError:
+    pass
