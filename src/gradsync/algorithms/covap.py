@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ..comm.collectives import dense_allreduce
 from ..compressors.covap_shards import MAX_RATIO, CovapPlan, ratio_for_ccr
 from ..feedback.discounted import CovapDiscount, default_ramp
-from ..feedback.residual import ResidualMemory, bucket_layout, parameter_names
+from ..feedback.residual import ResidualMemory, _is_named, bucket_layout, parameter_names
 from ..options import AUTO, Options, option
 from ..validation import check_float, check_int
 from .base import HookState
@@ -391,10 +391,6 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
         return buf
 
     return work.get_future().then(scatter_back)
-
-
-def _is_named(layout: Any) -> bool:
-    return all(len(item) == 2 and isinstance(item[0], str) for item in layout)
 
 
 def _numels(layout: Any) -> list[int]:
