@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
+from every_algorithm import batches, build_small
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
@@ -222,25 +223,13 @@ def _same(a, b, path=""):
 
 
 def _every_algorithm(rank, world, names, root):
-    from gradsync.algorithms import REGISTRY, BuildContext, build
-
     out = {}
-    given = {"ratio": 2, "density": 0.1, "error_feedback": True, "compressor": "topk", "levels": 127,
-             "matrix_approximation_rank": 2, "search_interval": 2, "gain_floor": 0.75, "plateau_tolerance": 0.05,
-             "fusion_mb": 0.01}
     for name in names:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        ctx = BuildContext(model=model, make_optimizer=lambda p: torch.optim.SGD(
-            p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4), bucket_cap_mb=0.01, seed=0, batch_size=8,
-            steps_per_epoch=4)
-        keys = REGISTRY[name].options.keys()
-        dp = build(name, ctx, {k: v for k, v in given.items() if k in keys})
+        dp = build_small(name)
         sched = torch.optim.lr_scheduler.OneCycleLR(dp.optimizer, max_lr=0.05, total_steps=20)
-        g = torch.Generator().manual_seed(rank)
-        batches = [(torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(8)]
-        dp.warm_up(batches[:2], F.cross_entropy)
-        for x, y in batches:
+        data = batches(rank, 8)
+        dp.warm_up(data[:2], F.cross_entropy)
+        for x, y in data:
             dp.train_step(x, y, F.cross_entropy)
             sched.step()
             dp.observe_step(0.08, 8)

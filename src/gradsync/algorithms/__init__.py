@@ -19,7 +19,7 @@ from .gravac import GravacState, gravac_hook
 from .oscar import CountSketchState, OscarASCState, OscarSWState, countsketch_hook, oscar_hook
 from .powersgd import PowerSGDHookState, powersgd_hook
 from .spec import AlgorithmSpec
-from .synchroniser import BuildContext, Synchroniser
+from .synchroniser import BuildContext, Precision, Synchroniser
 
 REGISTRY: dict[str, AlgorithmSpec] = {}
 
@@ -94,7 +94,7 @@ def build_hook(name: str, process_group: Any = None, model: Any = None, *, seed:
     return spec.make_hook(make_options(name, options), ctx)
 
 
-__all__ = ["REGISTRY", "AlgorithmSpec", "BuildContext", "Synchroniser", "register", "get", "make_options", "build",
+__all__ = ["REGISTRY", "AlgorithmSpec", "BuildContext", "Precision", "Synchroniser", "register", "get", "make_options", "build",
            "build_hook", "HookState", "AllReduceState", "FP16State", "CovapFilter", "CovapState", "CovapPlan",
            "CompressedState", "GravacState", "PowerSGDHookState", "CountSketchState", "OscarSWState",
            "OscarASCState", "allreduce_hook", "fp16_hook", "covap_hook", "compressed_hook", "gravac_hook",

@@ -8,8 +8,9 @@ all-gather pipeline, which applies the optimizer itself). Callers never branch o
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -43,6 +44,46 @@ class BuildContext:
     steps_per_epoch: int = 0
 
 
+@dataclass
+class Precision:
+    """Mixed precision and clipping of a training step, as a DDP user writes them.
+
+    Attributes:
+        autocast_dtype: ``torch.bfloat16`` or ``torch.float16`` to run the forward pass and loss
+            under ``torch.autocast`` on the model's device type; ``None`` for full precision.
+        scaler: a ``torch.amp.GradScaler`` (fp16): the loss is scaled before backward, gradients are
+            unscaled before clipping, a step with inf/nan gradients is skipped on every rank and the
+            scale is updated after the step; ``None`` without loss scaling.
+        clip_grad_norm: clip the averaged gradients to this global 2-norm (as
+            ``torch.nn.utils.clip_grad_norm_`` after DDP's reduction); ``None`` for no clipping.
+    """
+
+    autocast_dtype: Optional[torch.dtype] = None
+    scaler: Optional[torch.amp.GradScaler] = None
+    clip_grad_norm: Optional[float] = None
+
+    @classmethod
+    def from_names(cls, amp: str, clip_grad_norm: Optional[float], device: torch.device) -> "Precision":
+        """``amp`` is ``"off"``, ``"bf16"`` or ``"fp16"`` (fp16 adds a GradScaler on ``device``'s type).
+
+        Raises:
+            ValueError: if ``amp`` is another string or ``clip_grad_norm`` is not positive.
+        """
+        dtypes = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        if amp not in dtypes:
+            raise ValueError(f"amp must be one of {', '.join(dtypes)}, got {amp!r}")
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm must be > 0, got {clip_grad_norm}")
+        scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+        return cls(dtypes[amp], scaler, clip_grad_norm)
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """``torch.autocast`` on ``device``'s type with :attr:`autocast_dtype` (a no-op context without)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
+
+
 @runtime_checkable
 class Synchroniser(Protocol):
     """Data-parallel training of ``module`` with one gradient-synchronisation algorithm.
@@ -56,9 +97,11 @@ class Synchroniser(Protocol):
     optimizer: torch.optim.Optimizer
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-    def step(self) -> None: ...
+    def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None: ...
+    def clip_grad_norm_(self, max_norm: float, scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor: ...
     def zero_grad(self) -> None: ...
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor: ...
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+                   precision: Optional[Precision] = None) -> torch.Tensor: ...
     def flush(self) -> None: ...
     def warm_up(self, batches: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: LossFn) -> None: ...
     def bucket_numels(self) -> list[int]: ...
@@ -82,13 +125,22 @@ class _Common:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.wrapper(*args, **kwargs)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """One iteration: clear gradients, forward, backward (gradients synchronised by the
-        algorithm), optimizer step. Returns the loss (0-d tensor)."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn,
+                   precision: Optional[Precision] = None) -> torch.Tensor:
+        """One iteration: clear gradients, forward (under autocast with ``precision``), backward of
+        the (scaled) loss (gradients synchronised by the algorithm), optional clipping of the
+        averaged gradients, optimizer step (skipped on every rank when a GradScaler found inf/nan).
+        Returns the unscaled loss (0-d tensor)."""
+        precision = precision or Precision()
         self.zero_grad()
-        loss = loss_fn(self(x), y)
-        loss.backward()
-        self.step()
+        device = x.device
+        with precision.autocast(device):
+            loss = loss_fn(self(x), y)
+        scaler = precision.scaler
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if precision.clip_grad_norm is not None:
+            self.clip_grad_norm_(precision.clip_grad_norm, scaler)
+        self.step(scaler)
         return loss
 
     @property
@@ -132,8 +184,21 @@ class HookSynchroniser(_Common):
     def _controller(self) -> Any:
         return self.state
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None:
+        """``optimizer.step()``, or with ``scaler`` ``scaler.step(optimizer); scaler.update()``."""
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            scaler.step(self.optimizer)
+            scaler.update()
+
+    def clip_grad_norm_(self, max_norm: float, scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
+        """``scaler.unscale_(optimizer)`` (with ``scaler``), then
+        ``torch.nn.utils.clip_grad_norm_`` over the module's parameters: the gradients are already
+        averaged by DDP. Returns the total 2-norm before clipping (0-d tensor)."""
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -189,8 +254,17 @@ class DeARSynchroniser(_Common):
     def _controller(self) -> Any:
         return self.grad_filter if self.grad_filter is not None else _NoController()
 
-    def step(self) -> None:
-        self.wrapper.step()
+    def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None:
+        """:meth:`DeAR.step <gradsync.algorithms.dear.DeAR.step>` (with ``scaler``: unscale, skip on
+        inf/nan on every rank, update the scale)."""
+        self.wrapper.step(scaler)
+
+    def clip_grad_norm_(self, max_norm: float, scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
+        """:meth:`DeAR.clip_grad_norm_ <gradsync.algorithms.dear.DeAR.clip_grad_norm_>`: the exact
+        global norm over the reduced shards (unscaled first with ``scaler``)."""
+        if scaler is not None:
+            self.wrapper.unscale_(scaler)
+        return self.wrapper.clip_grad_norm_(max_norm)
 
     def zero_grad(self) -> None:
         self.wrapper.zero_grad(set_to_none=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -28,9 +29,12 @@ class ComputeTiming:
 
 def time_compute(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 make_optimizer: Callable[[Any], torch.optim.Optimizer], steps: int = 3) -> ComputeTiming:
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer], steps: int = 3,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> ComputeTiming:
     """Time ``steps`` training steps of a private copy of ``model`` (no hooks, no communication)
     after one untimed step; ``model`` itself is not changed. Returns the medians in seconds.
+    ``autocast()`` gives the context the forward pass and loss run in (mixed precision: the
+    ``torch.autocast`` of the training run), so the timing matches the training step.
 
     When the model's parameters are on a CUDA device, that device is synchronised before each
     clock read: CUDA kernels run asynchronously, so without it the forward time would include only
@@ -49,7 +53,8 @@ def time_compute(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
         t0 = clock()
-        loss = loss_fn(local(x), y)
+        with autocast():
+            loss = loss_fn(local(x), y)
         t1 = clock()
         loss.backward()
         t2 = clock()

@@ -365,12 +365,14 @@ def resume_batches(loader: Any, ckpt: dict[str, Any] | None) -> Any:
 
 def save_training_checkpoint(directory: str | os.PathLike, cfg: Any, dp: Any, sched: Any, *, epoch: int,
                              epoch_step: int, step: int, train_seconds: float,
-                             iterations: list[dict[str, Any]], epochs: list[dict[str, Any]]) -> Path:
+                             iterations: list[dict[str, Any]], epochs: list[dict[str, Any]],
+                             scaler: Any = None) -> Path:
     """Save the training state of this rank (collective, see :func:`save_checkpoint`).
 
     ``dp`` is the :class:`~gradsync.algorithms.synchroniser.Synchroniser` (flushed first, so a
     pending DeAR update is in the parameters), ``sched`` the LR scheduler; ``epoch`` is the epoch
-    the run continues in and ``epoch_step`` the batches of it already trained on (0 after an epoch).
+    the run continues in and ``epoch_step`` the batches of it already trained on (0 after an epoch);
+    ``scaler`` the ``torch.amp.GradScaler`` of an fp16 run (its loss scale and growth tracker are saved).
     """
     dp.flush()
     payload = {"config": cfg.to_dict(), "epoch": epoch, "epoch_step": epoch_step, "step": step,
@@ -378,12 +380,14 @@ def save_training_checkpoint(directory: str | os.PathLike, cfg: Any, dp: Any, sc
                "optimizer": dp.optimizer.state_dict(), "scheduler": sched.state_dict(),
                "algorithm": dp.state_dict(), "rng": rng_state(), "iterations": iterations,
                "epochs": epochs}
+    if scaler is not None:
+        payload["scaler"] = scaler.state_dict()
     return save_checkpoint(directory, payload, step=step, epoch=epoch, algorithm=cfg.algorithm)
 
 
-def restore_training(cfg: Any, dp: Any, sched: Any) -> dict[str, Any] | None:
+def restore_training(cfg: Any, dp: Any, sched: Any, scaler: Any = None) -> dict[str, Any] | None:
     """Load the checkpoint ``cfg.resume`` names (``"latest"``: see :func:`resolve_resume`) into the
-    model, optimizer, LR scheduler and algorithm state; return it (epoch, step, logs; its RNG state
+    model, optimizer, LR scheduler, algorithm state and ``scaler`` (a GradScaler); return it (epoch, step, logs; its RNG state
     is restored by :func:`resume_batches`), or None when ``latest`` found nothing. Collective.
 
     Raises:
@@ -404,4 +408,6 @@ def restore_training(cfg: Any, dp: Any, sched: Any) -> dict[str, Any] | None:
     dp.optimizer.load_state_dict(ckpt["optimizer"])
     sched.load_state_dict(ckpt["scheduler"])
     dp.load_state_dict(ckpt["algorithm"])
+    if scaler is not None and "scaler" in ckpt:
+        scaler.load_state_dict(ckpt["scaler"])
     return ckpt

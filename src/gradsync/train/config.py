@@ -48,6 +48,13 @@ class TrainConfig(SharedConfig):
     momentum: float = option(0.9, "SGD momentum", low=0.0, high=1.0, high_open=True)
     weight_decay: Optional[float] = option(None, "weight decay; default: the workload's (5e-4 for SGD)", low=0.0,
                                            high=1.0)
+    amp: str = option("off", "mixed precision: autocast the forward pass to bf16, or to fp16 with "
+                      "torch.amp.GradScaler loss scaling (steps with inf/nan gradients are skipped on every rank)",
+                      choices=["off", "bf16", "fp16"])
+    clip_grad_norm: Optional[float] = option(None, "clip the averaged gradients to this global 2-norm "
+                                             "(torch.nn.utils.clip_grad_norm_ after the reduction; DeAR: its "
+                                             "exact global norm over the reduced shards)", low=0.0, high=1e9,
+                                             low_open=True)
     max_steps: Optional[int] = option(None, "stop after this many optimizer steps in total", low=1)
     train_samples: Optional[int] = option(None, "train on the first N training samples only", low=1)
     checkpoint: Optional[str] = option(None, "directory; after every epoch (and every --checkpoint-every steps) "

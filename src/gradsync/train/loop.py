@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from ..algorithms import BuildContext, build
+from ..algorithms import BuildContext, Precision, build
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
 from ..profiler.ccr import measure_ccr
@@ -62,9 +62,12 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     def loss_fn(out, y):
         return F.cross_entropy(out, y)
 
+    precision = Precision.from_names(cfg.amp, cfg.clip_grad_norm, device)
+
     warm = [(train_x[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device),
              train_y[i * cfg.batch_size:(i + 1) * cfg.batch_size].to(device)) for i in range(2)]
-    compute = time_compute(model, warm, loss_fn, make_optimizer, cfg.compute_steps)
+    compute = time_compute(model, warm, loss_fn, make_optimizer, cfg.compute_steps,
+                           autocast=lambda: precision.autocast(device))
 
     ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb, device=device,
                        seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch)
@@ -93,7 +96,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     iterations: list[dict[str, float]] = []
     epoch_log: list[dict[str, float]] = []
     start_epoch, step, train_time = 0, 0, 0.0
-    ckpt = restore_training(cfg, dp, sched) if cfg.resume else None
+    ckpt = restore_training(cfg, dp, sched, precision.scaler) if cfg.resume else None
     if ckpt is not None:
         start_epoch, step, train_time = ckpt["epoch"], ckpt["step"], ckpt["train_seconds"]
         iterations, epoch_log = ckpt["iterations"], ckpt["epochs"]
@@ -111,7 +114,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                 break
             xb, yb = workload.augment(xb.to(device)), yb.to(device)
             t0 = time.perf_counter()
-            loss = dp.train_step(xb, yb, loss_fn)
+            loss = dp.train_step(xb, yb, loss_fn, precision)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
@@ -123,6 +126,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             record = {"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
                       "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
                       "lr": sched.get_last_lr()[0], **observed}
+            if precision.scaler is not None:
+                record["loss_scale"] = float(precision.scaler.get_scale())
             iterations.append(record)
             last_bytes = sent
             reporter.report(step)
@@ -130,7 +135,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                     and step % steps_per_epoch and step < total_steps):  # else the epoch's checkpoint
                 save_training_checkpoint(step_dir(cfg.checkpoint, step), cfg, dp, sched, epoch=epoch,
                                          epoch_step=step - epoch * steps_per_epoch, step=step,
-                                         train_seconds=train_time, iterations=iterations, epochs=epoch_log)
+                                         train_seconds=train_time, iterations=iterations, epochs=epoch_log,
+                                         scaler=precision.scaler)
             if progress is not None:
                 progress.update(1)
                 if step % 20 == 0:
@@ -148,7 +154,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         if cfg.checkpoint:
             save_training_checkpoint(epoch_dir(cfg.checkpoint, epoch + 1), cfg, dp, sched, epoch=epoch + 1,
                                      epoch_step=0, step=step, train_seconds=train_time,
-                                     iterations=iterations, epochs=epoch_log)
+                                     iterations=iterations, epochs=epoch_log, scaler=precision.scaler)
         if step >= total_steps:
             break
     if progress is not None:

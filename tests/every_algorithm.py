@@ -1,0 +1,38 @@
+"""Build every registered algorithm on the same small model (test helper).
+
+``build_small(name)`` returns the Synchroniser of algorithm ``name`` on a 3-layer MLP (20 -> 64 ->
+64 -> 10, 5.9 k parameters) with small DDP buckets (several per iteration), SGD with momentum and
+weight decay, and options that make every algorithm compress from the first steps;
+``batches(rank, n)`` the per-rank data (8 samples of 20 features, 10 classes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: Options given to each algorithm that accepts them (so every one compresses).
+OPTIONS = {"ratio": 2, "density": 0.1, "error_feedback": True, "compressor": "topk", "levels": 127,
+           "matrix_approximation_rank": 2, "search_interval": 2, "gain_floor": 0.75, "plateau_tolerance": 0.05,
+           "fusion_mb": 0.01}
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def build_small(name: str, model: nn.Module | None = None):
+    from gradsync.algorithms import REGISTRY, BuildContext, build
+
+    ctx = BuildContext(model=model if model is not None else small_model(),
+                       make_optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                                                weight_decay=5e-4),
+                       bucket_cap_mb=0.01, seed=0, batch_size=8, steps_per_epoch=4)
+    keys = REGISTRY[name].options.keys()
+    return build(name, ctx, {k: v for k, v in OPTIONS.items() if k in keys})
+
+
+def batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(rank)
+    return [(torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(n)]
