@@ -99,6 +99,14 @@ def test_sw_and_asc_agree_and_conserve_mass(world_size):
         assert all(torch.equal(sw[r][0][i], sw[0][0][i]) for i in range(5))
     s = asc[0][3]
     assert s["wire_bytes"] > 0 and s["encode_seconds"] > 0 and s["ring_balance"] >= 1.0
+    # coding cost: every compressed call codes 2 (P - 1) hops of part B on this rank
+    assert 0 < s["coded_hops"] <= 5 * 2 * (world_size - 1)
+    assert s["coding_seconds"] == pytest.approx(s["encode_seconds"] + s["decode_seconds"])
+    assert s["coding_seconds_per_hop"] * s["coded_hops"] == pytest.approx(s["coding_seconds"])
+    assert s["coding_ns_per_element"] * s["coded_elements"] == pytest.approx(s["coding_seconds"] * 1e9)
+    assert 0 < s["coded_bytes"] <= s["wire_bytes"]
+    assert 0 < s["coded_bits_per_element"] < 8  # int8 would be 8 bits; ASC codes fewer
+    assert sw[0][3]["coded_hops"] == 0 and sw[0][3]["coding_seconds"] == 0
     assert 0 < s["probable_zero_fraction"] < 1
     assert s["sketch_unrecovered_fraction"] >= 0
 

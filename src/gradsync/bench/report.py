@@ -11,8 +11,9 @@ from ..report.training import fmt_bytes
 
 def print_table(result: dict[str, Any], label: str) -> None:
     """Print one row per algorithm: iteration-time median and p10/p90 (ms), speedup against
-    all-reduce, scaling efficiency, exposed communication and compression overhead (ms), bytes per
-    rank per iteration, and time to accuracy when measured."""
+    all-reduce, scaling efficiency, exposed communication and compression overhead (ms), entropy-coding
+    time per iteration (ms, part of the compression overhead; shown when an algorithm codes, e.g.
+    ``oscar-asc``), bytes per rank per iteration, and time to accuracy when measured."""
     from rich.console import Console
     from rich.table import Table
 
@@ -27,6 +28,9 @@ def print_table(result: dict[str, Any], label: str) -> None:
     for col in ("algorithm", "median ms", "p10-p90 ms", "speedup", "scaling eff.", "exposed comm ms",
                 "compress ms", "bytes/iter"):
         table.add_column(col, justify="left" if col == "algorithm" else "right")
+    has_coding = any(r.get("coding_s", 0.0) > 0 for r in result["rows"])
+    if has_coding:
+        table.add_column("coding ms", justify="right")
     has_tta = any("time_to_accuracy" in r for r in result["rows"])
     if has_tta:
         table.add_column(f"time to {cfg['to_accuracy'] * 100:.0f}% (s)", justify="right")
@@ -36,6 +40,8 @@ def print_table(result: dict[str, Any], label: str) -> None:
                  f"{r['speedup_vs_allreduce']:.2f}x", f"{r['scaling_efficiency'] * 100:.0f}%",
                  f"{r['exposed_comm_s'] * 1e3:.1f}", f"{r['compression_overhead_s'] * 1e3:.1f}",
                  fmt_bytes(r["bytes_per_iteration"])]
+        if has_coding:
+            cells.append(f"{r.get('coding_s', 0.0) * 1e3:.1f}")
         if has_tta:
             tta = r.get("time_to_accuracy", {}).get("seconds")
             cells.append("not reached" if tta is None else f"{tta:.1f}")

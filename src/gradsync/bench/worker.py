@@ -101,7 +101,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
 
     records: dict[str, dict[str, list[float]]] = {
-        a: {"iter_s": [], "bytes": [], "compress_s": [], "rs_wait_s": [], "ag_wait_s": []} for a in cfg.algorithms
+        a: {"iter_s": [], "bytes": [], "compress_s": [], "rs_wait_s": [], "ag_wait_s": [], "coding_s": []}
+        for a in cfg.algorithms
     }
     compute_steps: list[float] = []
     for rnd in range(cfg.rounds):
@@ -125,6 +126,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             rec["compress_s"].append((s1["compress_seconds"] - s0["compress_seconds"]) / n)
             rec["rs_wait_s"].append((s1.get("rs_wait_seconds", 0.0) - s0.get("rs_wait_seconds", 0.0)) / n)
             rec["ag_wait_s"].append((s1.get("ag_wait_seconds", 0.0) - s0.get("ag_wait_seconds", 0.0)) / n)
+            rec["coding_s"].append((s1.get("coding_seconds", 0.0) - s0.get("coding_seconds", 0.0)) / n)
             if rank == 0:
                 print(f"round {rnd + 1}/{cfg.rounds} {name}: median {statistics.median(times) * 1e3:.1f} ms",
                       flush=True)
@@ -154,6 +156,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                 k: v for k, v in chosen.get(name, {}).items() if k != "ccr"}},
             "rs_wait_s": statistics.median(rec["rs_wait_s"]),
             "ag_wait_s": statistics.median(rec["ag_wait_s"]),
+            "coding_s": statistics.median(rec["coding_s"]),
             "iteration_samples_s": rec["iter_s"],
             **({"time_to_accuracy": accuracy[name]} if name in accuracy else {}),
         })

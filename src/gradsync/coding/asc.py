@@ -6,8 +6,17 @@ Communications in Distributed Training"). No paper text or code is public; this 
 a distinct probability table for each timestep of AllReduce to adapt to its unique value ranges and
 avoids sending the probability table". The static-table baseline follows Atalanta (Delmas Lascorz et
 al., ASPLOS'24), whose table is profiled once and sent once. The entropy coder is ``constriction``'s
-range coder (``constriction.stream.queue.RangeEncoder`` with a ``Categorical`` model); no coder is
-written here.
+ANS coder (``constriction.stream.stack.AnsCoder`` with a ``Categorical`` model); no coder is written
+here. Each message is coded by **one** ``constriction`` call on the int32 symbol array
+(``encode_reverse`` / ``decode``) with one model built in one call from the counts, so no Python code
+runs per symbol; the symbol histogram that updates the model is counted on the same int32 array.
+(Until 2026-11-23 the coder was the range coder ``queue.RangeEncoder``, an arithmetic coder in the
+narrow sense; ANS codes the same model at the same rate, same bytes within a word, and is faster to
+encode and decode here: ``benchmarks/asc_coding_time.py`` times both. Only the model, not the coder,
+is what the abstract's "adaptive" refers to.) ``constriction``
+appears to hold the GIL while it codes (two threads decoding 1 M symbols each took no less time
+than one thread decoding both, 2026-11-23), so the bucket worker's coding does not overlap Python
+work on other threads.
 
 Choices (made here, measured below):
 
@@ -26,7 +35,9 @@ Choices (made here, measured below):
   constant message needs no payload). The first iteration (empty counts) codes uniformly in
   ``[min, max]``.
 * The model is fixed within a message (no per-symbol update): per-symbol adaptation would need a
-  Python loop per symbol; the iteration-to-iteration similarity of gradients is what ASC exploits.
+  model per symbol (``constriction`` takes a ``(m, n)`` probability array, i.e. ``m`` models built per
+  message, far slower than one model over a ``2 P L + 1`` alphabet); the iteration-to-iteration
+  similarity of gradients is what ASC exploits.
 
 Measured (2026-11-22, this 2-core machine; ``measure_ring_coding`` driven by a script that trains a
 2-conv + 2-fc CNN (421,642 parameters) on real Fashion-MNIST, batch 64 per simulated rank, SGD lr
@@ -51,7 +62,7 @@ So ASC sends 4.06x fewer bytes than raw int8 (P=4, L=31; the sums of 4 ranks sti
 (whose advantage shrinks here because gradient statistics drift little within 12 iterations).
 Decay 0.5 gains 1.9 % over the pure previous-iteration model (0.9 only 0.15 % more), so it is the
 default. Fraction of zeros in the aggregated ints: 0.51 (L=31), 0.36 (L=127).
-Coding time (noisy, shared machine): per simulated rank and iteration (about 420 k symbols encoded
+Coding time (noisy, shared machine, range coder of the time): per simulated rank and iteration (about 420 k symbols encoded
 and 630 k decoded on its hops) 4-25 ms encoding and 15-60 ms decoding.
 Load balance (mean over steps of max/mean bytes across ranks, P=4, L=31): equal chunks 1.055,
 ``balanced_bounds`` on ``-log2 p(previous aggregate)`` costs 1.025 (L=127: 1.052 -> 1.032; P=2: 1.017
@@ -94,19 +105,82 @@ def _as_numpy_int(values: torch.Tensor | np.ndarray) -> np.ndarray:
     return np.asarray(values).reshape(-1).astype(np.int64, copy=False)
 
 
+def _as_int32(values: torch.Tensor | np.ndarray) -> np.ndarray:
+    """``(m,)`` int32 numpy view or copy of integer ``values`` (no copy for contiguous CPU int32)."""
+    if isinstance(values, torch.Tensor):
+        t = values.detach().reshape(-1)
+        if t.dtype != torch.int32:
+            if t.numel() and (int(t.min()) < -(1 << 31) or int(t.max()) >= (1 << 31)):
+                raise ValueError(f"values must lie in [-{1 << 31}, {(1 << 31) - 1}]")
+            t = t.to(torch.int32)
+        return t.cpu().numpy()
+    v = np.asarray(values).reshape(-1)
+    if v.dtype != np.int32:
+        if v.size and (int(v.min()) < -(1 << 31) or int(v.max()) >= (1 << 31)):
+            raise ValueError(f"values must lie in [-{1 << 31}, {(1 << 31) - 1}]")
+        v = v.astype(np.int32)
+    return v
+
+
+def _model(counts: np.ndarray, lo: int, hi: int, max_abs: int, alpha: float):
+    """The Categorical model over ``[lo, hi]`` (symbol ``v - lo``), built in one call from the counts."""
+    probs = counts[lo + max_abs : hi + max_abs + 1] + alpha
+    return constriction.stream.model.Categorical(probs.astype(np.float64, copy=False), perfect=False)
+
+
+def _encode_symbols(v: np.ndarray, counts: np.ndarray, max_abs: int, alpha: float
+                    ) -> tuple[torch.Tensor, np.ndarray | None, int]:
+    """Encode int32 ``v``; returns ``(payload, symbols v - lo as int32 or None when constant, lo)``."""
+    if v.size == 0:
+        return torch.from_numpy(np.array([0, -1], dtype=np.int32).view(np.uint8).copy()), None, 0
+    lo, hi = int(v.min()), int(v.max())
+    if lo < -max_abs or hi > max_abs:
+        raise ValueError(f"values must lie in [-{max_abs}, {max_abs}], got [{lo}, {hi}]")
+    header = np.array([lo, hi], dtype=np.int32).view(np.uint8)
+    if lo == hi:
+        return torch.from_numpy(header.copy()), None, lo
+    sym = v - np.int32(lo)
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(sym, _model(counts, lo, hi, max_abs, alpha))  # one call for the whole message
+    words = coder.get_compressed().astype(np.uint32, copy=False)
+    return torch.from_numpy(np.concatenate([header, words.view(np.uint8)])), sym, lo
+
+
+def _decode_symbols(payload: torch.Tensor | np.ndarray, numel: int, counts: np.ndarray, max_abs: int,
+                    alpha: float) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """Decode to ``(values as int32, symbols or None when constant, lo)``."""
+    buf = payload.numpy() if isinstance(payload, torch.Tensor) else np.asarray(payload, dtype=np.uint8)
+    if buf.size < HEADER_BYTES or (buf.size - HEADER_BYTES) % 4:
+        raise ValueError(f"payload of {buf.size} bytes is not a valid ASC message")
+    lo, hi = (int(x) for x in buf[:HEADER_BYTES].copy().view(np.int32))
+    if numel == 0:
+        return np.zeros(0, dtype=np.int32), None, 0
+    if lo < -max_abs or hi > max_abs or lo > hi:
+        raise ValueError(f"payload range [{lo}, {hi}] outside [-{max_abs}, {max_abs}]")
+    if lo == hi:
+        return np.full(numel, lo, dtype=np.int32), None, lo
+    words = buf[HEADER_BYTES:].copy().view(np.uint32)
+    sym = constriction.stream.stack.AnsCoder(words).decode(_model(counts, lo, hi, max_abs, alpha), numel)
+    sym = sym.astype(np.int32, copy=False)
+    return sym + np.int32(lo), sym, lo
+
+
 def encode_with_counts(
     values: torch.Tensor | np.ndarray, counts: np.ndarray, max_abs: int, alpha: float = 0.5
 ) -> torch.Tensor:
-    """Range-code integer ``values`` with the model ``counts + alpha`` restricted to the message range.
+    """Entropy-code integer ``values`` with the model ``counts + alpha`` restricted to the message range.
+
+    The whole message is coded by one ``constriction`` call (``AnsCoder.encode_reverse`` of the int32
+    symbol array with one ``Categorical`` model built in one call), so no Python code runs per symbol.
 
     Args:
-        values: ``(m,)`` integers in ``[-max_abs, max_abs]``.
+        values: ``(m,)`` integers in ``[-max_abs, max_abs]`` (int32 input avoids a copy).
         counts: ``(2 * max_abs + 1,)`` float64 symbol counts; index ``v + max_abs`` is value ``v``.
         max_abs: largest absolute value representable.
         alpha: Laplace smoothing pseudo-count (> 0).
 
     Returns:
-        ``(8 + 4w,)`` uint8 tensor: int32 min, int32 max, then ``w`` uint32 words of the range coder
+        ``(8 + 4w,)`` uint8 tensor: int32 min, int32 max, then ``w`` uint32 words of the ANS coder
         (no words when ``min == max`` or ``m == 0``).
 
     Raises:
@@ -114,27 +188,14 @@ def encode_with_counts(
         ImportError: if ``constriction`` is not installed.
     """
     _require_constriction()
-    v = _as_numpy_int(values)
-    if v.size == 0:
-        return torch.from_numpy(np.array([0, -1], dtype=np.int32).view(np.uint8).copy())
-    lo, hi = int(v.min()), int(v.max())
-    if lo < -max_abs or hi > max_abs:
-        raise ValueError(f"values must lie in [-{max_abs}, {max_abs}], got [{lo}, {hi}]")
-    header = np.array([lo, hi], dtype=np.int32).view(np.uint8)
-    if lo == hi:
-        return torch.from_numpy(header.copy())
-    probs = counts[lo + max_abs : hi + max_abs + 1] + alpha
-    model = constriction.stream.model.Categorical(probs.astype(np.float64), perfect=False)
-    enc = constriction.stream.queue.RangeEncoder()
-    enc.encode((v - lo).astype(np.int32), model)
-    words = enc.get_compressed().astype(np.uint32, copy=False)
-    return torch.from_numpy(np.concatenate([header, words.view(np.uint8)]))
+    return _encode_symbols(_as_int32(values), counts, max_abs, alpha)[0]
 
 
 def decode_with_counts(
     payload: torch.Tensor | np.ndarray, numel: int, counts: np.ndarray, max_abs: int, alpha: float = 0.5
 ) -> torch.Tensor:
-    """Invert :func:`encode_with_counts` (same ``counts``, ``max_abs`` and ``alpha``).
+    """Invert :func:`encode_with_counts` (same ``counts``, ``max_abs`` and ``alpha``; one
+    ``constriction`` decode call for the whole message).
 
     Args:
         payload: uint8 bytes produced by :func:`encode_with_counts`.
@@ -147,22 +208,7 @@ def decode_with_counts(
         ValueError: if the payload is shorter than the header or its range is invalid.
     """
     _require_constriction()
-    buf = payload.numpy() if isinstance(payload, torch.Tensor) else np.asarray(payload, dtype=np.uint8)
-    if buf.size < HEADER_BYTES or (buf.size - HEADER_BYTES) % 4:
-        raise ValueError(f"payload of {buf.size} bytes is not a valid ASC message")
-    lo, hi = (int(x) for x in buf[:HEADER_BYTES].copy().view(np.int32))
-    if numel == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if lo < -max_abs or hi > max_abs or lo > hi:
-        raise ValueError(f"payload range [{lo}, {hi}] outside [-{max_abs}, {max_abs}]")
-    if lo == hi:
-        return torch.full((numel,), lo, dtype=torch.int64)
-    words = buf[HEADER_BYTES:].copy().view(np.uint32)
-    probs = counts[lo + max_abs : hi + max_abs + 1] + alpha
-    model = constriction.stream.model.Categorical(probs.astype(np.float64), perfect=False)
-    dec = constriction.stream.queue.RangeDecoder(words)
-    out = dec.decode(model, numel).astype(np.int64) + lo
-    return torch.from_numpy(out)
+    return torch.from_numpy(_decode_symbols(payload, numel, counts, max_abs, alpha)[0]).to(torch.int64)
 
 
 class ASCRingCoder:
@@ -193,32 +239,51 @@ class ASCRingCoder:
         self.ag_counts = np.zeros(n, dtype=np.float64)
 
     def _hist(self, values: torch.Tensor | np.ndarray) -> np.ndarray:
-        v = _as_numpy_int(values)
-        return np.bincount(v + self.max_abs, minlength=2 * self.max_abs + 1).astype(np.float64)
+        v = _as_int32(values)
+        return np.bincount(v + np.int32(self.max_abs), minlength=2 * self.max_abs + 1).astype(np.float64)
 
-    def _update(self, row: np.ndarray, values) -> None:
-        h = self._hist(values)
+    def _decay(self, row: np.ndarray) -> None:
         if self.decay > 0:
             row *= self.decay
-            row += h
         else:
-            row[:] = h
+            row[:] = 0.0
+
+    def _update(self, row: np.ndarray, values) -> None:
+        self._decay(row)
+        row += self._hist(values)
+
+    def _update_symbols(self, row: np.ndarray, sym: np.ndarray | None, lo: int, numel: int) -> None:
+        """``row = decay * row + histogram``, the histogram counted on the symbols ``v - lo`` the coder
+        already holds (range ``hi - lo + 1`` instead of ``2 max_abs + 1``; no int64 copy)."""
+        self._decay(row)
+        if numel == 0:
+            return
+        base = lo + self.max_abs
+        if sym is None:  # constant message
+            row[base] += numel
+            return
+        h = np.bincount(sym)
+        row[base : base + h.size] += h
 
     def encode(self, phase: str, step: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
         """Ring encode callback; updates the send model of ``step`` after encoding (reduce-scatter)."""
+        _require_constriction()
+        v = _as_int32(values)
         if phase == "rs":
-            out = encode_with_counts(values, self.send_counts[step], self.max_abs, self.alpha)
-            self._update(self.send_counts[step], values)
+            out, sym, lo = _encode_symbols(v, self.send_counts[step], self.max_abs, self.alpha)
+            self._update_symbols(self.send_counts[step], sym, lo, v.size)
             return out
-        return encode_with_counts(values, self.ag_counts, self.max_abs, self.alpha)
+        return _encode_symbols(v, self.ag_counts, self.max_abs, self.alpha)[0]
 
     def decode(self, phase: str, step: int, chunk: int, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        """Ring decode callback; updates the receive model of ``step`` after decoding."""
+        """Ring decode callback; updates the receive model of ``step`` after decoding. Returns a
+        ``(numel,)`` int32 tensor."""
+        _require_constriction()
         if phase == "rs":
-            vals = decode_with_counts(payload, numel, self.recv_counts[step], self.max_abs, self.alpha)
-            self._update(self.recv_counts[step], vals)
-            return vals
-        return decode_with_counts(payload, numel, self.ag_counts, self.max_abs, self.alpha)
+            vals, sym, lo = _decode_symbols(payload, numel, self.recv_counts[step], self.max_abs, self.alpha)
+            self._update_symbols(self.recv_counts[step], sym, lo, numel)
+            return torch.from_numpy(vals)
+        return torch.from_numpy(_decode_symbols(payload, numel, self.ag_counts, self.max_abs, self.alpha)[0])
 
     def end_iteration(self, reduced: torch.Tensor) -> None:
         """Update the shared all-gather model with the fully reduced ``(n,)`` integer vector."""

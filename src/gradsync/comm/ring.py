@@ -209,13 +209,26 @@ class RingStats:
             P-1 ints.
         ag_bytes: same for the all-gather steps.
         encode_seconds / decode_seconds: wall-clock seconds spent in the callbacks on this rank.
+        rs_numel / ag_numel: elements this rank sent at each step (0 for an empty chunk, which is not
+            sent), lists of P-1 ints.
+        encoded_numel / decoded_numel: elements passed to ``encode`` / returned by ``decode`` on
+            this rank.
     """
 
     def __init__(self) -> None:
         self.rs_bytes: list[int] = []
         self.ag_bytes: list[int] = []
+        self.rs_numel: list[int] = []
+        self.ag_numel: list[int] = []
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
+        self.encoded_numel = 0
+        self.decoded_numel = 0
+
+    @property
+    def hops(self) -> int:
+        """Non-empty messages this rank sent (reduce-scatter and all-gather)."""
+        return sum(1 for m in self.rs_numel + self.ag_numel if m)
 
     @property
     def total_bytes(self) -> int:
@@ -277,6 +290,7 @@ def ring_all_reduce_coded(
         t0 = time.perf_counter()
         vals = decode(phase, step, chunk, payload, size[chunk])
         stats.decode_seconds += time.perf_counter() - t0
+        stats.decoded_numel += size[chunk]
         if vals.numel() != size[chunk]:
             raise ValueError(f"decode returned {vals.numel()} values for a chunk of {size[chunk]}")
         return vals
@@ -285,6 +299,7 @@ def ring_all_reduce_coded(
         t0 = time.perf_counter()
         out = encode(phase, step, chunk, tensor[b[chunk]:b[chunk + 1]])
         stats.encode_seconds += time.perf_counter() - t0
+        stats.encoded_numel += size[chunk]
         if out.dtype != torch.uint8:
             raise ValueError("encode must return a uint8 tensor")
         return out.contiguous()
@@ -295,6 +310,7 @@ def ring_all_reduce_coded(
         payload = _encode("rs", s, sc) if size[sc] else torch.empty(0, dtype=torch.uint8)
         data = _coded_hop(payload, nxt, prv, group, size[sc] > 0, size[rc] > 0)
         stats.rs_bytes.append(payload.numel() + HEADER_BYTES if size[sc] else 0)
+        stats.rs_numel.append(size[sc])
         if size[rc]:
             tensor[b[rc]:b[rc + 1]] += _decode("rs", s, rc, data).to(tensor.dtype)
 
@@ -305,6 +321,7 @@ def ring_all_reduce_coded(
         rc = (r - s) % p
         data = _coded_hop(fwd, nxt, prv, group, size[sc] > 0, size[rc] > 0)
         stats.ag_bytes.append(fwd.numel() + HEADER_BYTES if size[sc] else 0)
+        stats.ag_numel.append(size[sc])
         if size[rc]:
             tensor[b[rc]:b[rc + 1]] = _decode("ag", 0, rc, data).to(tensor.dtype)
             fwd = data

@@ -49,7 +49,14 @@ Statistics (``stats()``; byte and time figures cover the compressed iterations o
 ``wire_bytes`` estimated bytes this rank put on the wire (ring point-to-point bytes exactly,
 8-byte headers included; an all-reduce of B bytes counted as ``2 (P-1) / P * B``, as a ring
 all-reduce sends), ``wire_bytes_per_step``, ``wire_bytes_last_step`` (the last completed iteration),
-``encode_seconds`` / ``decode_seconds`` (ASC callbacks), ``compress_seconds`` (all local work),
+``encode_seconds`` / ``decode_seconds`` (ASC callbacks), ``coding_seconds`` (their sum),
+``coding_seconds_per_step`` (per compressed iteration), ``coding_seconds_per_hop`` (encode + decode
+seconds per coded ring message this rank sent: every hop's payload is encoded once, by its sender or,
+on all-gather hops, by the chunk's owner, and decoded once by its receiver),
+``coding_ns_per_element`` (the same per element carried on those hops), ``coded_hops``,
+``coded_elements``, ``coded_bytes`` (payload + 8-byte length headers of the coded hops; part of
+``wire_bytes``), ``coded_bits_per_element`` (``8 * coded_bytes / coded_elements``; all of these are 0
+or NaN for ``oscar-sw``), ``compress_seconds`` (all local work),
 ``ring_balance`` (mean over buckets of max/mean bytes over this rank's reduce-scatter steps; it
 mostly shows that later steps carry wider partial sums, not chunk imbalance),
 ``ring_balance_global`` (only with ``global_balance=True``: mean over buckets and ring steps of
@@ -203,6 +210,9 @@ class OscarState(OrderedBucketWorker, HookState):
         self.compressed_iterations = 0
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
+        self.coded_hops = 0
+        self.coded_elements = 0
+        self.coded_bytes = 0
         self.wire_bytes_last_step = 0.0
         self._wire_at_step_start = 0.0
         self._balance = _Mean()
@@ -264,12 +274,22 @@ class OscarState(OrderedBucketWorker, HookState):
     def stats(self) -> dict[str, float]:
         out = super().stats()
         it = max(self.compressed_iterations, 1)
+        coding = self.encode_seconds + self.decode_seconds
         out.update(
             wire_bytes=self.wire_bytes,
             wire_bytes_per_step=self.wire_bytes / it,
             wire_bytes_last_step=self.wire_bytes_last_step,
             encode_seconds=self.encode_seconds,
             decode_seconds=self.decode_seconds,
+            coding_seconds=coding,
+            coding_seconds_per_step=coding / it,
+            coding_seconds_per_hop=coding / self.coded_hops if self.coded_hops else float("nan"),
+            coding_ns_per_element=coding * 1e9 / self.coded_elements if self.coded_elements else float("nan"),
+            coded_hops=self.coded_hops,
+            coded_elements=self.coded_elements,
+            coded_bytes=self.coded_bytes,
+            coded_bits_per_element=(8.0 * self.coded_bytes / self.coded_elements if self.coded_elements
+                                    else float("nan")),
             ring_balance=self._balance.value(),
             ring_balance_global=self._balance_global.value(),
             sketch_rel_error=self._sketch_err.value(),
@@ -440,6 +460,9 @@ class OscarState(OrderedBucketWorker, HookState):
         agg[idx_b] = qb
         self.encode_seconds += rs.encode_seconds
         self.decode_seconds += rs.decode_seconds
+        self.coded_hops += rs.hops
+        self.coded_elements += sum(rs.rs_numel) + sum(rs.ag_numel)
+        self.coded_bytes += rs.total_bytes
         self.compress_seconds += rs.encode_seconds + rs.decode_seconds
         self.bytes_sent += rs.total_bytes
         self.collectives += 1
