@@ -379,7 +379,8 @@ def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, sc
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     # the two ranks' summary lines may interleave on the shared stdout
-    found = dict(re.findall(r"rank (\d): covap sent \d+ of \d+ dense bytes \(compression ([\d.]+)x", proc.stdout))
+    found = dict(re.findall(r"rank (\d): covap put \d+ bytes on the wire, dense all-reduce \d+ "
+                                r"\(compression ([\d.]+)x", proc.stdout))
     assert sorted(found) == ["0", "1"], proc.stdout[-2000:]
     assert all(2.5 < float(r) <= 4.0 for r in found.values()), found   # K=4 after 2 dense iterations
 
