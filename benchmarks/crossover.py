@@ -12,8 +12,10 @@ workload's default model, the algorithms interleaved in one run, so each row's
 each run's ``bench.json`` under ``OUT/bw_RATE/`` (an existing one is reused with ``--reuse``), and
 writes
 
-* ``OUT/crossover.json``: per rate and algorithm the speedup, median iteration time, bytes per
-  iteration, compression overhead and entropy-coding time per iteration (``coding_s``, from the
+* ``OUT/crossover.json``: per rate and algorithm the speedup, median iteration time, wire bytes per
+  rank per iteration (what the rank puts on the network, :func:`gradsync.comm.collectives.wire_bytes`),
+  payload bytes per rank per iteration (tensors handed to collectives), the compression ratio on wire
+  bytes, compression overhead and entropy-coding time per iteration (``coding_s``, from the
   algorithm's ``coding_seconds`` stat: ``oscar-asc``), plus the crossover rates;
 * ``OUT/crossover.md``: the same as markdown tables.
 
@@ -135,7 +137,9 @@ def main() -> None:
             "network": res.get("network"),
             "rows": {a: {"speedup": rows[a]["speedup_vs_allreduce"],
                          "iteration_median_s": rows[a]["iteration_s"]["median"],
-                         "bytes_per_iteration": rows[a]["bytes_per_iteration"],
+                         "wire_bytes_per_iteration": rows[a]["wire_bytes_per_iteration"],
+                         "payload_bytes_per_iteration": rows[a]["payload_bytes_per_iteration"],
+                         "compression_ratio": rows[a]["compression_ratio"],
                          "compression_overhead_s": rows[a]["compression_overhead_s"],
                          "coding_s": rows[a].get("coding_s", 0.0),
                          "options": rows[a].get("options", {})} for a in algos},
@@ -156,14 +160,17 @@ def main() -> None:
     for a in algos:
         cells = [f"{per_rate[k]['rows'][a]['speedup']:.2f}x" for k in keys]
         lines.append(f"| {a} | " + " | ".join(cells) + f" | {'-' if a == 'allreduce' else _fmt_crossover(cross[a])} |")
-    lines += ["", "Median iteration time (ms) / bytes per rank per iteration (KB) / coding time per iteration (ms):",
+    lines += ["", "Median iteration time (ms) / wire bytes per rank per iteration (KB; ring all-reduce "
+              "2(P-1)/P n, all-gather (P-1) m, point-to-point as sent) / payload bytes per rank per iteration "
+              "(KB, tensors handed to collectives) / coding time per iteration (ms):",
               "", head + " |", sep]
     for a in algos:
         cells = []
         for k in keys:
             r = per_rate[k]["rows"][a]
             c = f" / {r['coding_s'] * 1e3:.1f}" if r["coding_s"] else ""
-            cells.append(f"{r['iteration_median_s'] * 1e3:.1f} / {r['bytes_per_iteration'] / 1e3:.1f}{c}")
+            cells.append(f"{r['iteration_median_s'] * 1e3:.1f} / {r['wire_bytes_per_iteration'] / 1e3:.1f}"
+                         f" / {r['payload_bytes_per_iteration'] / 1e3:.1f}{c}")
         lines.append(f"| {a} | " + " | ".join(cells) + " |")
     md = "\n".join(lines) + "\n"
     (Path(args.out) / "crossover.md").write_text(md)

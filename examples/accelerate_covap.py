@@ -76,8 +76,9 @@ def main() -> None:
         accelerator.save_state(args.save)
     if state is not None:
         s = state.stats()
-        print(f"rank {accelerator.process_index}: covap sent {s['bytes_sent']} of {s['dense_bytes']} dense "
-              f"bytes (compression {s['compression_ratio']:.2f}x over {s['iteration']} optimizer steps)",
+        print(f"rank {accelerator.process_index}: covap put {s['wire_bytes']:.0f} bytes on the wire, "
+              f"dense all-reduce {s['dense_wire_bytes']:.0f} (compression {s['compression_ratio']:.2f}x over "
+              f"{s['iteration']} optimizer steps)",
               flush=True)
 
 

@@ -73,7 +73,8 @@ def main() -> None:
     loader = DataLoader(dataset(args), batch_size=args.batch_size, shuffle=True)
     trainer.fit(Classifier(), loader, ckpt_path=args.resume)
     s = hook.stats()
-    print(f"rank {trainer.global_rank}: covap sent {s['bytes_sent']} of {s['dense_bytes']} dense bytes "
+    print(f"rank {trainer.global_rank}: covap put {s['wire_bytes']:.0f} bytes on the wire, "
+          f"dense all-reduce {s['dense_wire_bytes']:.0f} "
           f"(compression {s['compression_ratio']:.2f}x over {s['iteration']} iterations)", flush=True)
 
 

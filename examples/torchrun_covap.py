@@ -77,7 +77,8 @@ def main() -> None:
                 break
         epoch += 1
     s = state.stats()
-    print(f"rank {dist.get_rank()}: {args.algorithm} sent {s['bytes_sent']} of {s['dense_bytes']} dense bytes "
+    print(f"rank {dist.get_rank()}: {args.algorithm} put {s['wire_bytes']:.0f} bytes on the wire, "
+          f"dense all-reduce {s['dense_wire_bytes']:.0f} "
           f"(compression {s['compression_ratio']:.2f}x over {s['iteration']} iterations)", flush=True)
     dist.destroy_process_group()
 

@@ -37,7 +37,9 @@ def test_bench_smoke_reports_every_field(tmp_path):
         for key in ("speedup_vs_allreduce", "scaling_efficiency", "exposed_comm_s", "compression_overhead_s"):
             assert r[key] >= 0
     assert rows["allreduce"]["speedup_vs_allreduce"] == 1.0
-    assert rows["covap"]["bytes_per_iteration"] < 0.75 * rows["allreduce"]["bytes_per_iteration"]
+    assert rows["covap"]["wire_bytes_per_iteration"] < 0.75 * rows["allreduce"]["wire_bytes_per_iteration"]
+    assert rows["allreduce"]["compression_ratio"] == pytest.approx(1.0)
+    assert rows["covap"]["compression_ratio"] > 1.3
     assert (tmp_path / "breakdown.png").stat().st_size > 5000
     for r in rows.values():
         tta = r["time_to_accuracy"]

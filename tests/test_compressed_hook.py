@@ -91,10 +91,13 @@ def test_topk_hook_reports_per_step_stats(trained):
     params, steps, stats = res[0]
     assert [s["compressed"] for s in steps] == [False, False, True, True, True]
     assert steps[0]["density"] == 1.0
-    assert steps[0]["bytes_sent"] == steps[0]["dense_bytes"] > 0
+    assert steps[0]["wire_bytes"] == steps[0]["dense_wire_bytes"] > 0
+    assert steps[0]["payload_bytes"] == steps[0]["dense_wire_bytes"]  # 2 ranks: ring all-reduce sends n
     for s in steps[2:]:
         assert 0.1 <= s["density"] < 0.13  # ceil(0.1 n) per bucket
-        assert 0 < s["bytes_sent"] < 0.5 * s["dense_bytes"]
+        # all-gather of (float32 value, int32 index) pairs: (P-1) m = m at P = 2
+        assert s["wire_bytes"] == s["payload_bytes"]
+        assert 0 < s["wire_bytes"] < 0.5 * s["dense_wire_bytes"]
         assert s["compress_seconds"] > 0
     assert stats["iteration"] == STEPS and stats["compression_ratio"] > 1
     assert 0.1 <= stats["density"] < 0.13

@@ -60,7 +60,10 @@ def test_allreduce_hook_is_bitwise_ddp():
         for a, b in zip(ref[r][0], got[r][0]):
             assert torch.equal(a, b)
     stats = got[0][1]
-    assert stats["bytes_sent"] == stats["dense_bytes"] == 4 * sum(p.numel() for p in make_model().parameters()) * 4
+    n_bytes = 4 * sum(p.numel() for p in make_model().parameters()) * 4  # 4 steps of float32 gradients
+    assert stats["payload_bytes"] == stats["dense_payload_bytes"] == n_bytes
+    assert stats["wire_bytes"] == stats["dense_wire_bytes"] == n_bytes  # ring all-reduce, 2 ranks: 2 (P-1)/P = 1
+    assert stats["compression_ratio"] == 1.0
 
 
 def test_covap_k1_equals_dense():
@@ -180,13 +183,13 @@ def test_state_dict_and_pickle_round_trip():
 
 def _steps(ddp, opt, rank, steps, state, per_step=None):
     for step in steps:
-        before = state.stats()["bytes_sent"]
+        before = state.stats()["payload_bytes"]
         opt.zero_grad(set_to_none=True)
         x, y = batch(rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         if per_step is not None:
-            per_step.append(state.stats()["bytes_sent"] - before)
+            per_step.append(state.stats()["payload_bytes"] - before)
 
 
 def _covap_ddp(module, state=None, unsent="zero"):

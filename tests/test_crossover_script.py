@@ -35,3 +35,32 @@ def test_edges_and_noise():
         crossover.crossover_rate([10], [1.0, 2.0])
     with pytest.raises(ValueError, match="rates"):
         crossover.crossover_rate([0, 10], [1.0, 2.0])
+
+
+def test_tables_report_wire_and_payload_bytes(tmp_path, monkeypatch, capsys):
+    """With --reuse the script only reads bench.json rows: the per-rate rows keep wire bytes, payload
+    bytes and the wire compression ratio, and the markdown shows wire / payload per iteration."""
+    import json
+    import sys
+
+    def row(name, speedup, wire, payload):
+        return {"algorithm": name, "speedup_vs_allreduce": speedup, "iteration_s": {"median": 0.1 / speedup},
+                "wire_bytes_per_iteration": wire, "payload_bytes_per_iteration": payload,
+                "compression_ratio": 2000.0 / wire, "compression_overhead_s": 0.0, "coding_s": 0.0,
+                "options": {}}
+
+    for rate, s in ((10, 2.0), (100, 0.5)):
+        d = tmp_path / f"bw_{rate}"
+        d.mkdir()
+        (d / "bench.json").write_text(json.dumps({"rows": [row("allreduce", 1.0, 2000.0, 2000),
+                                                            row("topk", s, 500.0, 250)]}))
+    monkeypatch.setattr(sys, "argv", ["crossover.py", "--bandwidths", "10,100", "--algorithms", "allreduce,topk",
+                                      "--reuse", "--out", str(tmp_path)])
+    crossover.main()
+    res = json.loads((tmp_path / "crossover.json").read_text())
+    r = res["per_rate"]["10"]["rows"]["topk"]
+    assert (r["wire_bytes_per_iteration"], r["payload_bytes_per_iteration"], r["compression_ratio"]) == (
+        500.0, 250, 4.0)
+    md = (tmp_path / "crossover.md").read_text()
+    assert "wire bytes per rank per iteration" in md and "payload bytes per rank per iteration" in md
+    assert "| topk | 50.0 / 0.5 / 0.2 | 200.0 / 0.5 / 0.2 |" in md

@@ -196,7 +196,7 @@ def _job(rank, world, device):  # noqa: C901 - one job, many checks, each record
                 "devices": sorted({str(p.device) for p in model.parameters()}),
                 "finite": bool(torch.isfinite(params.float()).all()),
                 "same": _same_on_every_rank(params),
-                "bytes_sent": state.stats()["bytes_sent"],
+                "wire_bytes": state.stats()["wire_bytes"],
             }
     out["hooks"] = hooks
     return out
@@ -274,4 +274,4 @@ def test_every_hook_algorithm_on_cuda(job):
         assert all(_on_device(d) for d in h["devices"]), key
         assert h["finite"], f"{name} {dtype}: non-finite parameters"
         assert h["same"], f"{name} {dtype}: replicas diverged"
-        assert h["bytes_sent"] > 0, key
+        assert h["wire_bytes"] > 0, key

@@ -139,7 +139,10 @@ def test_matches_ddp(world_size, opt_name):
     st = res[0]["stats"]
     assert st["iteration"] == 5 and st["num_groups"] == 3  # fc1 | fc2 | head: one module per group
     assert st["collectives"] == 2 * 5 * st["num_groups"]  # one reduce-scatter + one all-gather each
-    assert st["bytes_sent"] > st["dense_bytes"] > 0
+    assert st["payload_bytes"] > st["dense_payload_bytes"] > 0
+    # reduce-scatter + all-gather of the padded buffer: a ring all-reduce's traffic, plus flags/padding
+    assert st["wire_bytes"] > st["dense_wire_bytes"] > 0
+    assert st["compression_ratio"] > 0.8
     assert st["rs_wait_seconds"] >= 0 and st["ag_wait_seconds"] >= 0
     if opt_name == "sgd":
         assert res[0]["lr"] == pytest.approx(0.05 * 0.5**5)

@@ -245,7 +245,7 @@ def _bf16_run(rank, world_size, steps):
     st = dear.stats()
     numel = sum(p.numel() for p in mod.parameters() if p.requires_grad)
     return {"diff": _max_diff(ref, mod), "scale": _scale(ref), "norms_ref": norms_ref, "norms": norms,
-            "dtypes": {str(p.dtype) for p in mod.parameters()}, "dense_bytes": st["dense_bytes"],
+            "dtypes": {str(p.dtype) for p in mod.parameters()}, "dense_bytes": st["dense_payload_bytes"],
             "numel": numel, "spread": _spread(mod, world_size)}
 
 

@@ -217,10 +217,10 @@ def _check_resume_error(record: dict) -> None:
 
 
 def _quarter(stats: dict, iterations: int) -> None:
-    """Bytes sent = WARMUP dense iterations + (iterations - WARMUP) / K dense iterations (< 1 %)."""
+    """Wire bytes = WARMUP dense iterations + (iterations - WARMUP) / K dense iterations (< 1 %)."""
     assert stats["iteration"] == iterations
-    per_iter = stats["dense_bytes"] / iterations
-    compressed_sent = stats["bytes_sent"] - WARMUP * per_iter
+    per_iter = stats["dense_wire_bytes"] / iterations
+    compressed_sent = stats["wire_bytes"] - WARMUP * per_iter
     compressed_dense = (iterations - WARMUP) * per_iter
     assert compressed_dense / compressed_sent == pytest.approx(K, rel=0.01)
     assert stats["compression_ratio"] > 2.5
@@ -247,7 +247,7 @@ def test_lightning_covap_k1_matches_plain_ddp(lightning_runs):
         assert r["k1"] == pytest.approx(r["plain"], abs=1e-6, rel=0)
         # the hook really ran (on CPU, where DDPStrategy(ddp_comm_hook=...) registers nothing)
         assert r["k1_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
-        assert r["k1_stats"]["bytes_sent"] == r["k1_stats"]["dense_bytes"] > 0
+        assert r["k1_stats"]["wire_bytes"] == r["k1_stats"]["dense_wire_bytes"] > 0
 
 
 def test_lightning_covap_k4_sends_a_quarter(lightning_runs):
@@ -319,7 +319,7 @@ def test_accelerate_covap_k1_matches_plain_ddp_with_accumulation(accelerate_runs
         assert r["k1"]["losses"] == pytest.approx(r["plain"]["losses"], abs=1e-6, rel=0)
         # the hook ran once per optimizer step (accumulation skips communication on the others)
         assert r["k1"]["stats"]["iteration"] == WARMUP + 4 * K
-        assert r["k1"]["stats"]["bytes_sent"] == r["k1"]["stats"]["dense_bytes"] > 0
+        assert r["k1"]["stats"]["wire_bytes"] == r["k1"]["stats"]["dense_wire_bytes"] > 0
 
 
 def test_accelerate_covap_k4_sends_a_quarter_with_accumulation(accelerate_runs):
@@ -379,7 +379,8 @@ def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, sc
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     # the two ranks' summary lines may interleave on the shared stdout
-    found = dict(re.findall(r"rank (\d): covap sent \d+ of \d+ dense bytes \(compression ([\d.]+)x", proc.stdout))
+    found = dict(re.findall(r"rank (\d): covap put \d+ bytes on the wire, dense all-reduce \d+ "
+                                r"\(compression ([\d.]+)x", proc.stdout))
     assert sorted(found) == ["0", "1"], proc.stdout[-2000:]
     assert all(2.5 < float(r) <= 4.0 for r in found.values()), found   # K=4 after 2 dense iterations
 

@@ -45,15 +45,18 @@ def train_all(rank, world, names, steps):
 def test_every_algorithm_trains_and_keeps_replicas_identical():
     names = sorted(n for n, spec in REGISTRY.items() if spec.make_hook is not None)
     r0, r1 = run_ranks(train_all, 2, names, 8, timeout=240)
-    dense_bytes = r0["allreduce"][1]["bytes_sent"]
+    dense_wire = r0["allreduce"][1]["wire_bytes"]
+    assert dense_wire == r0["allreduce"][1]["dense_wire_bytes"]
     for name in names:
         p0, stats = r0[name]
         p1, _ = r1[name]
         assert torch.isfinite(p0).all(), name
         assert torch.allclose(p0, p1, atol=1e-6), f"{name}: replicas diverged"
-        assert stats["bytes_sent"] > 0, name
+        assert stats["wire_bytes"] > 0 and stats["payload_bytes"] > 0, name
+        assert stats["dense_wire_bytes"] == dense_wire, name
         if name not in ("allreduce",):
-            assert stats["bytes_sent"] < dense_bytes, f"{name} should send less than dense all-reduce"
+            assert stats["wire_bytes"] < dense_wire, f"{name} should send less than dense all-reduce"
+            assert stats["compression_ratio"] > 1, name
 
 
 def test_unknown_algorithm_is_a_value_error():

@@ -34,14 +34,15 @@ def test_covap_auto_trains_and_writes_metrics(tmp_path):
     assert "CCR" in stdout and "-> ratio =" in stdout
     s = metrics["summary"]
     for key in ("algorithm", "world_size", "epochs", "test_accuracy", "samples_per_s", "mean_iteration_s",
-                "mean_compute_s", "bytes_per_iteration", "compression_ratio", "ccr", "ratio"):
+                "mean_compute_s", "wire_bytes_per_iteration", "dense_wire_bytes_per_iteration",
+                "payload_bytes_per_iteration", "compression_ratio", "ccr", "ratio"):
         assert key in s, key
     assert s["world_size"] == 2 and s["steps"] == 30
     assert s["test_accuracy"] > 0.3, "well above chance (0.1) after 30 steps"
     assert 1 <= s["ratio"] <= 32
     assert len(metrics["iterations"]) == 30
     it = metrics["iterations"][0]
-    assert {"loss", "iter_s", "bytes", "wall_s"} <= set(it)
+    assert {"loss", "iter_s", "wire_bytes", "payload_bytes", "wall_s"} <= set(it)
     assert metrics["epochs"][-1]["test_acc"] == s["test_accuracy"]
     assert metrics["config"]["algorithm"] == "covap"
 
@@ -50,7 +51,8 @@ def test_covap_fixed_ratio_sends_about_one_kth(tmp_path):
     metrics, _ = train(tmp_path, "--algorithm", "covap", "--ratio", "4")
     s = metrics["summary"]
     assert s["ratio"] == 4
-    assert s["bytes_per_iteration"] == pytest.approx(s["dense_bytes_per_iteration"] / 4, rel=0.15)
+    assert s["wire_bytes_per_iteration"] == pytest.approx(s["dense_wire_bytes_per_iteration"] / 4, rel=0.15)
+    assert s["compression_ratio"] == pytest.approx(4, rel=0.15)
     assert s["test_accuracy"] > 0.2
 
 

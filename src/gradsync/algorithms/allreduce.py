@@ -37,11 +37,11 @@ class FP16State(HookState):
 def fp16_hook(state: FP16State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's ``fp16_compress_hook``: cast the bucket to float16, all-reduce, cast back.
 
-    Bytes counted: ``numel * 2`` per bucket (the float16 tensor handed to ``all_reduce``).
+    Bytes counted: payload ``numel * 2`` per bucket (the float16 tensor handed to ``all_reduce``),
+    wire ``2 (P-1)/P`` times that.
     """
     buf = bucket.buffer()
-    state.collectives += 1
-    state.bytes_sent += buf.numel() * 2
+    state.count_payload(buf.numel() * 2, "allreduce")
     state.end_bucket(bucket)
     return default_hooks.fp16_compress_hook(state.process_group, bucket)
 

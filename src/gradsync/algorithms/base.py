@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.collectives import wire_bytes
+
 
 class HookState:
     """Base state: process group, iteration counter and byte/time counters.
@@ -23,7 +25,11 @@ class HookState:
     Attributes:
         iteration: number of completed backward passes seen by the hook (advanced when the bucket with
             ``bucket.is_last()`` is processed), identical on every rank.
-        bytes_sent: total bytes of the tensors handed to collectives by this rank (int).
+        payload_bytes: total bytes of the tensors this rank handed to collectives (int).
+        wire_bytes: total bytes this rank put on the network for them (float; see
+            :func:`gradsync.comm.collectives.wire_bytes` for the formula per collective kind).
+        dense_payload_bytes / dense_wire_bytes: the same two figures for a dense all-reduce of every
+            bucket seen (the reference the compression ratio is taken against).
         collectives: number of collectives launched.
         buckets_skipped: number of buckets for which no collective was launched.
         compress_seconds: wall-clock seconds spent in compression/decompression code on this rank.
@@ -38,20 +44,44 @@ class HookState:
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)
 
-    def count_collective(self, *tensors: torch.Tensor) -> None:
-        """Record the bytes of ``tensors`` handed to one collective."""
-        self.collectives += 1
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+    def count_collective(self, *tensors: torch.Tensor, kind: str = "allreduce",
+                         world_size: int | None = None) -> tuple[int, float]:
+        """Record one collective of ``kind`` (see :func:`~gradsync.comm.collectives.wire_bytes`)
+        whose input on this rank is ``tensors`` (for ``"allgather"``: this rank's contribution).
 
-    def end_bucket(self, bucket: Any) -> None:
-        """Account the dense size of ``bucket`` and advance ``iteration`` after the last bucket."""
-        self.end_bucket_of(bucket.buffer(), bucket.is_last())
+        Args:
+            tensors: the tensors handed to the collective (any shape and dtype).
+            kind: collective kind, one of :data:`~gradsync.comm.collectives.WIRE_KINDS`.
+            world_size: ranks of the group it runs on (default: :attr:`world_size`).
 
-    def end_bucket_of(self, buf: torch.Tensor, is_last: bool) -> None:
+        Returns:
+            ``(payload_bytes, wire_bytes)`` added by this call.
+
+        Raises:
+            ValueError: for an unknown ``kind``.
+        """
+        payload = sum(t.numel() * t.element_size() for t in tensors)
+        return payload, self.count_payload(payload, kind, world_size=world_size)
+
+    def count_payload(self, payload_bytes: int, kind: str = "allreduce", collectives: int = 1,
+                      world_size: int | None = None) -> float:
+        """:meth:`count_collective` for ``collectives`` collectives of ``payload_bytes`` bytes in
+        all (for hooks that do not hold the tensors, e.g. torch's own hooks); returns the wire bytes
+        added."""
+        return count_bytes(self, payload_bytes, kind, self.world_size if world_size is None else world_size,
+                           collectives)
+
+    def end_bucket(self, bucket: Any) -> float:
+        """Account the dense size of ``bucket`` (:func:`count_dense`) and advance ``iteration`` after
+        the last bucket. Returns the dense wire bytes added."""
+        return self.end_bucket_of(bucket.buffer(), bucket.is_last())
+
+    def end_bucket_of(self, buf: torch.Tensor, is_last: bool) -> float:
         """:meth:`end_bucket` for a bucket given by its flat buffer and ``is_last()`` flag."""
-        self.dense_bytes += buf.numel() * buf.element_size()
+        wire = count_dense(self, buf.numel() * buf.element_size(), self.world_size)
         if is_last:
             self.iteration += 1
+        return wire
 
     class _Timer:
         def __init__(self, state: "HookState"):
@@ -82,9 +112,7 @@ class HookState:
 
     # -- reporting and checkpoints ------------------------------------------------------------
     def stats(self) -> dict[str, float]:
-        """Cumulative counters: ``bytes_sent`` and ``dense_bytes`` (bytes), ``collectives``,
-        ``buckets_skipped``, ``compress_seconds`` (s), ``iteration``, and ``compression_ratio``
-        (dense bytes / bytes sent, 1.0 before anything was sent)."""
+        """Cumulative counters of :func:`counter_stats`."""
         return counter_stats(self)
 
     def config(self) -> dict[str, Any]:
@@ -110,24 +138,75 @@ class HookState:
 def init_counters(obj: Any) -> None:
     """Set the counters every algorithm reports (see :class:`HookState`) to zero on ``obj``."""
     obj.iteration = 0
-    obj.bytes_sent = 0
-    obj.dense_bytes = 0
+    obj.payload_bytes = 0
+    obj.wire_bytes = 0.0
+    obj.dense_payload_bytes = 0
+    obj.dense_wire_bytes = 0.0
     obj.collectives = 0
     obj.buckets_skipped = 0
     obj.compress_seconds = 0.0
 
 
+def count_bytes(obj: Any, payload_bytes: int, kind: str, world_size: int, collectives: int = 1) -> float:
+    """Add ``collectives`` collectives of ``kind`` with ``payload_bytes`` bytes of input on this rank
+    to the counters of ``obj`` (:func:`init_counters`) over a group of ``world_size`` ranks.
+
+    ``payload_bytes`` grows by ``payload_bytes``; ``wire_bytes`` by
+    :func:`gradsync.comm.collectives.wire_bytes` ``(kind, payload_bytes, world_size)``. Every
+    algorithm counts through this function. Returns the wire bytes added (float).
+
+    Raises:
+        ValueError: for an unknown ``kind`` (see :data:`~gradsync.comm.collectives.WIRE_KINDS`).
+    """
+    wire = wire_bytes(kind, payload_bytes, world_size)
+    obj.collectives += collectives
+    obj.payload_bytes += int(payload_bytes)
+    obj.wire_bytes += wire
+    return wire
+
+
+def count_dense(obj: Any, nbytes: int, world_size: int) -> float:
+    """Add the dense reference of ``nbytes`` gradient bytes (one bucket or fusion group in its own
+    dtype, no padding) to ``obj``: ``dense_payload_bytes += nbytes`` and ``dense_wire_bytes +=``
+    the ring all-reduce wire bytes of ``nbytes`` over ``world_size`` ranks. Returns the latter."""
+    wire = wire_bytes("allreduce", nbytes, world_size)
+    obj.dense_payload_bytes += int(nbytes)
+    obj.dense_wire_bytes += wire
+    return wire
+
+
+def compression_ratio(dense_wire: float, wire: float) -> float:
+    """``dense_wire / wire``: 1.0 when both are 0 (nothing sent, e.g. one rank), ``inf`` when only
+    ``wire`` is 0 (every bucket was dropped)."""
+    if wire:
+        return dense_wire / wire
+    return float("inf") if dense_wire else 1.0
+
+
 def counter_stats(obj: Any) -> dict[str, Any]:
-    """The common statistics of any algorithm object with the ``HookState`` counters
-    (``iteration``, ``bytes_sent``, ``dense_bytes``, ``collectives``, ``buckets_skipped``,
-    ``compress_seconds``), plus ``compression_ratio`` = dense bytes / bytes sent (1.0 before anything
-    was sent)."""
+    """The common statistics of any algorithm object with the :func:`init_counters` counters, all
+    cumulative over this rank's iterations:
+
+    * ``iteration``: completed iterations;
+    * ``wire_bytes``: bytes this rank put on the network (float; per collective kind as in
+      :func:`gradsync.comm.collectives.wire_bytes`: ring all-reduce ``2 (P-1)/P n``, all-gather
+      ``(P-1) m``, reduce-scatter ``(P-1)/P n``, point-to-point as sent);
+    * ``dense_wire_bytes``: the wire bytes of a ring all-reduce of every uncompressed bucket;
+    * ``payload_bytes`` / ``dense_payload_bytes``: bytes of the tensors handed to the collectives /
+      of the uncompressed buckets (what the wire figures are computed from);
+    * ``compression_ratio``: ``dense_wire_bytes / wire_bytes`` (see :func:`compression_ratio`), so
+      an algorithm that moves as much traffic as dense all-reduce reports 1.0 whatever collectives
+      it uses;
+    * ``collectives``, ``buckets_skipped`` (no collective launched), ``compress_seconds`` (s).
+    """
     return {
         "iteration": obj.iteration,
-        "bytes_sent": obj.bytes_sent,
-        "dense_bytes": obj.dense_bytes,
+        "wire_bytes": obj.wire_bytes,
+        "dense_wire_bytes": obj.dense_wire_bytes,
+        "payload_bytes": obj.payload_bytes,
+        "dense_payload_bytes": obj.dense_payload_bytes,
         "collectives": obj.collectives,
         "buckets_skipped": obj.buckets_skipped,
         "compress_seconds": obj.compress_seconds,
-        "compression_ratio": (obj.dense_bytes / obj.bytes_sent) if obj.bytes_sent else 1.0,
+        "compression_ratio": compression_ratio(obj.dense_wire_bytes, obj.wire_bytes),
     }

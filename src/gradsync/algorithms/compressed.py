@@ -11,7 +11,7 @@ Example::
     >>> state = CompressedState(make_compressor("topk", density=0.01), error_feedback=True)
     >>> ddp.register_comm_hook(state, compressed_hook)
     >>> loss.backward()            # DDP waits for the hook's futures
-    >>> state.last_step            # {'iteration', 'bytes_sent', 'density', 'compress_seconds', ...}
+    >>> state.last_step            # {'iteration', 'wire_bytes', 'density', 'compress_seconds', ...}
 """
 
 import time
@@ -62,8 +62,9 @@ class CompressedState(HookState):
 
     Attributes:
         last_step: statistics of the most recent step whose last bucket was processed (complete once
-            ``backward()`` has returned): ``iteration``, ``bytes_sent`` (bytes this rank handed to
-            collectives), ``dense_bytes`` (bytes of the uncompressed buckets), ``density`` (fraction of
+            ``backward()`` has returned): ``iteration``, ``wire_bytes`` and ``payload_bytes`` (bytes
+            this rank put on the network / handed to collectives, as in :meth:`HookState.stats`),
+            ``dense_wire_bytes`` (ring all-reduce wire bytes of the uncompressed buckets), ``density`` (fraction of
             gradient elements carried by the payloads, 1.0 on dense steps), ``compress_seconds``
             (compression + decompression seconds on this rank), ``compressed`` (bool).
 
@@ -112,8 +113,9 @@ class CompressedState(HookState):
         if self._cur is None:
             self._cur = {
                 "iteration": self.iteration,
-                "bytes_sent": 0,
-                "dense_bytes": 0,
+                "wire_bytes": 0.0,
+                "payload_bytes": 0,
+                "dense_wire_bytes": 0.0,
                 "selected": 0,
                 "numel": 0,
                 "compress_seconds": 0.0,
@@ -122,18 +124,17 @@ class CompressedState(HookState):
         return self._cur
 
     def _finish_bucket(self, bucket: Any, rec: dict[str, Any]) -> None:
-        buf = bucket.buffer()
-        rec["dense_bytes"] += buf.numel() * buf.element_size()
         if bucket.is_last():
             rec["density"] = rec["selected"] / rec["numel"] if rec["numel"] else 1.0
             self.last_step = rec
             self._cur = None
-        self.end_bucket(bucket)
+        rec["dense_wire_bytes"] += self.end_bucket(bucket)
 
     def _counter(self, rec: dict[str, Any]):
-        def count(*tensors: torch.Tensor) -> None:
-            self.count_collective(*tensors)
-            rec["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
+        def count(*tensors: torch.Tensor, kind: str = "allreduce") -> None:
+            payload, wire = self.count_collective(*tensors, kind=kind)
+            rec["payload_bytes"] += payload
+            rec["wire_bytes"] += wire
 
         return count
 

@@ -95,7 +95,7 @@ from ..comm.collectives import all_gather_flat, reduce_scatter_flat
 from ..comm.ring import ring_reduce_scatter_tensor
 from ..tuning.fusion import FusionTuner
 from ..validation import check_choice, check_float, check_int
-from .base import counter_stats, init_counters
+from .base import count_bytes, count_dense, counter_stats, init_counters
 from .dear_groups import MB, FusionGroup, build_groups, trainable_modules
 
 MAX_FUSION_MB = 1_000_000.0
@@ -500,7 +500,7 @@ class DeAR:
         g.skipped = False
         g.unscaled = False
         g.sel = None
-        self.dense_bytes += g.nbytes
+        count_dense(self, g.nbytes, self.world_size)
         self._hook_unscale(g, g.grad_buf[: g.numel])
         if self.grad_filter is not None:
             t0 = time.perf_counter()
@@ -527,8 +527,7 @@ class DeAR:
             g.rs_work = _FutureWork(self._ring_worker.submit(ring_reduce_scatter_tensor, dst, src, self.rs_group))
         else:
             g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
-        self.collectives += 1
-        self.bytes_sent += src.numel() * src.element_size()
+        count_bytes(self, src.numel() * src.element_size(), "reduce_scatter", self.world_size)
 
     def _compact(self, g: FusionGroup, sel: StridedShard) -> None:
         """Pack ``sel.values`` and the used flags into compact buffers padded to a multiple of P."""
@@ -736,8 +735,7 @@ class DeAR:
             g = self._groups[self._next_ag]
             out, src = (g.c_out, g.c_shard) if g.sel is not None else (g.gathered, g.shard)
             g.ag_work = all_gather_flat(out, src, group=self.ag_group, async_op=True)
-            self.collectives += 1
-            self.bytes_sent += src.numel() * src.element_size()
+            count_bytes(self, src.numel() * src.element_size(), "allgather", self.world_size)  # src: the shard
             self._ag_inflight += 1
             self._next_ag += 1
 
@@ -862,12 +860,18 @@ class DeAR:
     def stats(self) -> dict[str, Any]:
         """Cumulative counters of this rank (divide by ``iteration`` for per-iteration figures).
 
-        Keys: ``iteration``; ``bytes_sent`` (bytes of the tensors handed to reduce-scatter and
-        all-gather: the padded group buffer plus its shard per group and iteration); ``dense_bytes``
-        (gradient bytes, what one dense all-reduce per group would hand over); ``collectives``
-        (reduce-scatters + all-gathers); ``buckets_skipped`` (groups the ``grad_filter`` did not
-        send); ``compress_seconds`` (s in ``grad_filter``); ``compression_ratio`` (dense_bytes /
-        bytes_sent; below 1 without a filter because of the all-gather shard and padding);
+        Keys: ``iteration``; ``payload_bytes`` (bytes of the tensors handed to reduce-scatter and
+        all-gather: the padded group buffer plus its shard per group and iteration); ``wire_bytes``
+        (``(P-1)/P`` of the padded buffer for the reduce-scatter plus ``(P-1)`` shards for the
+        all-gather, i.e. ``2 (P-1)/P`` of the padded buffer: the traffic of a ring all-reduce of it;
+        see :func:`gradsync.comm.collectives.wire_bytes`); ``dense_payload_bytes`` and
+        ``dense_wire_bytes`` (gradient bytes of the groups without used flags and padding, and the
+        ring all-reduce wire bytes of them); ``collectives`` (reduce-scatters + all-gathers);
+        ``buckets_skipped`` (groups the ``grad_filter`` did not send); ``compress_seconds`` (s in
+        ``grad_filter``); ``compression_ratio`` (dense_wire_bytes / wire_bytes: 1.0 up to the used
+        flags and the padding to a multiple of P, ``numel / padded`` per group, without a filter);
+        the buffer broadcasts (``broadcast_buffers``) and the scalar all-reduces of ``unscale_`` /
+        ``clip_grad_norm_`` are not counted (DDP's are not visible to the hook algorithms either);
         ``rs_wait_seconds`` and ``ag_wait_seconds`` (s blocked in ``.wait()`` of reduce-scatters and
         all-gathers: exposed communication); ``buffer_broadcast_seconds`` (s broadcasting buffers);
         ``steps_skipped`` (updates skipped by the GradScaler on inf/nan); ``reduce_scatter``

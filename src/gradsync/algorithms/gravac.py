@@ -84,8 +84,9 @@ class GravacState(HookState):
         controller: the :class:`GravacController` (identical on every rank).
         last_step: statistics of the latest step (complete after ``backward()``): ``iteration``,
             ``branch``, ``kept_fraction``, ``compression_factor`` (1 / kept fraction, 1.0 dense),
-            ``theta_candidate``, ``gain_min``, ``gain_candidate``, ``searching``, ``bytes_sent``,
-            ``dense_bytes`` (bytes), ``density``, ``compress_seconds`` (s).
+            ``theta_candidate``, ``gain_min``, ``gain_candidate``, ``searching``,
+            ``wire_bytes``, ``payload_bytes``, ``dense_wire_bytes`` (bytes, as in
+            :meth:`HookState.stats`), ``density``, ``compress_seconds`` (s).
         cf_history: list of ``(iteration, compression_factor)`` for every step seen.
 
     Raises:
@@ -176,8 +177,9 @@ class GravacState(HookState):
                 "kept_fraction": kept,
                 "compression_factor": 1.0 / kept,
                 "theta_candidate": self.controller.theta_c,
-                "bytes_sent": 0,
-                "dense_bytes": 0,
+                "wire_bytes": 0.0,
+                "payload_bytes": 0,
+                "dense_wire_bytes": 0.0,
                 "selected": 0,
                 "numel": 0,
                 "compress_seconds": 0.0,
@@ -189,9 +191,10 @@ class GravacState(HookState):
         return self._cur
 
     def _counter(self, rec: dict[str, Any]):
-        def count(*tensors: torch.Tensor) -> None:
-            self.count_collective(*tensors)
-            rec["bytes_sent"] += sum(t.numel() * t.element_size() for t in tensors)
+        def count(*tensors: torch.Tensor, kind: str = "allreduce") -> None:
+            payload, wire = self.count_collective(*tensors, kind=kind)
+            rec["payload_bytes"] += payload
+            rec["wire_bytes"] += wire
 
         return count
 
@@ -210,8 +213,7 @@ class GravacState(HookState):
                  self._recorded or 0.0, rec_flag, timed, timed_flag],
                 dtype=torch.float64, device=device,
             )
-            self.count_collective(vec)
-            rec["bytes_sent"] += vec.numel() * vec.element_size()
+            self._counter(rec)(vec, kind="allreduce")
             dist.all_reduce(vec, group=self.process_group)
             p = self.world_size
             ng, nmin, nc, has_c, rec_sum, rec_n, timed_sum, timed_n = vec.tolist()
@@ -305,14 +307,13 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
     buf = bucket.buffer()
     rec = state._record()
     count = state._counter(rec)
-    rec["dense_bytes"] += buf.numel() * buf.element_size()
     if state.iteration < state.start_iter:
         rec["selected"] += buf.numel()
         rec["numel"] += buf.numel()
         fut = dense_allreduce(buf, group, count)
         if bucket.is_last():
             state._end_of_step(rec, buf.device)
-        state.end_bucket(bucket)
+        rec["dense_wire_bytes"] += state.end_bucket(bucket)  # rec is last_step's dict after the last bucket
         return fut
 
     ctrl = state.controller
@@ -353,7 +354,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
         fut = communicate(comp, payload, ctx, group, count, state.compression_timer)
     if bucket.is_last():
         state._end_of_step(rec, buf.device)
-    state.end_bucket(bucket)
+    rec["dense_wire_bytes"] += state.end_bucket(bucket)
 
     def write_back(f: torch.futures.Future) -> torch.Tensor:
         buf.copy_(f.value().view_as(buf))

@@ -113,9 +113,9 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
         else:
             fut = torch_powersgd.powerSGD_hook(ts, bucket)
     sent = ts.total_numel_after_compression - before
-    state.collectives += 1 if sent == 0 else 2
     itemsize = 4 if low_precision else buf.element_size()
-    state.bytes_sent += (sent if sent else buf.numel()) * itemsize
+    state.count_payload((sent if sent else buf.numel()) * itemsize, "allreduce",
+                        collectives=1 if sent == 0 else 2)  # P and Q are all-reduced
     state.end_bucket(bucket)
     return fut
 

@@ -13,7 +13,10 @@ def print_table(result: dict[str, Any], label: str) -> None:
     """Print one row per algorithm: iteration-time median and p10/p90 (ms), speedup against
     all-reduce, scaling efficiency, exposed communication and compression overhead (ms), entropy-coding
     time per iteration (ms, part of the compression overhead; shown when an algorithm codes, e.g.
-    ``oscar-asc``), bytes per rank per iteration, and time to accuracy when measured."""
+    ``oscar-asc``), wire bytes per rank per iteration (what the rank puts on the network:
+    :func:`gradsync.comm.collectives.wire_bytes`), the compression ratio on wire bytes (dense ring
+    all-reduce wire bytes / wire bytes), payload bytes per rank per iteration (the tensors handed to
+    the collectives), and time to accuracy when measured."""
     from rich.console import Console
     from rich.table import Table
 
@@ -26,7 +29,7 @@ def print_table(result: dict[str, Any], label: str) -> None:
                                      for n, c in result["chosen_from_ccr"].items())
                            + f"{cfg['rounds']} rounds x {cfg['steps']} steps, interleaved"))
     for col in ("algorithm", "median ms", "p10-p90 ms", "speedup", "scaling eff.", "exposed comm ms",
-                "compress ms", "bytes/iter"):
+                "compress ms", "wire/iter", "ratio", "payload/iter"):
         table.add_column(col, justify="left" if col == "algorithm" else "right")
     has_coding = any(r.get("coding_s", 0.0) > 0 for r in result["rows"])
     if has_coding:
@@ -39,7 +42,8 @@ def print_table(result: dict[str, Any], label: str) -> None:
         cells = [r["algorithm"], f"{it['median'] * 1e3:.1f}", f"{it['p10'] * 1e3:.0f}-{it['p90'] * 1e3:.0f}",
                  f"{r['speedup_vs_allreduce']:.2f}x", f"{r['scaling_efficiency'] * 100:.0f}%",
                  f"{r['exposed_comm_s'] * 1e3:.1f}", f"{r['compression_overhead_s'] * 1e3:.1f}",
-                 fmt_bytes(r["bytes_per_iteration"])]
+                 fmt_bytes(r["wire_bytes_per_iteration"]), f"{r['compression_ratio']:.2f}x",
+                 fmt_bytes(r["payload_bytes_per_iteration"])]
         if has_coding:
             cells.append(f"{r.get('coding_s', 0.0) * 1e3:.1f}")
         if has_tta:

@@ -29,6 +29,7 @@ from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
 from ..train.evaluate import evaluate
 from ..algorithms import BuildContext, Synchroniser, build
+from ..algorithms.base import compression_ratio
 from ..workloads import get_workload
 from .config import BenchConfig
 
@@ -101,7 +102,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
 
     records: dict[str, dict[str, list[float]]] = {
-        a: {"iter_s": [], "bytes": [], "compress_s": [], "rs_wait_s": [], "ag_wait_s": [], "coding_s": []}
+        a: {"iter_s": [], "wire_bytes": [], "payload_bytes": [], "dense_wire_bytes": [], "compress_s": [],
+            "rs_wait_s": [], "ag_wait_s": [], "coding_s": []}
         for a in cfg.algorithms
     }
     compute_steps: list[float] = []
@@ -122,7 +124,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             rec = records[name]
             rec["iter_s"].extend(times)
             n = len(times)
-            rec["bytes"].append((s1["bytes_sent"] - s0["bytes_sent"]) / n)
+            for key in ("wire_bytes", "payload_bytes", "dense_wire_bytes"):
+                rec[key].append((s1[key] - s0[key]) / n)
             rec["compress_s"].append((s1["compress_seconds"] - s0["compress_seconds"]) / n)
             rec["rs_wait_s"].append((s1.get("rs_wait_seconds", 0.0) - s0.get("rs_wait_seconds", 0.0)) / n)
             rec["ag_wait_s"].append((s1.get("ag_wait_seconds", 0.0) - s0.get("ag_wait_seconds", 0.0)) / n)
@@ -151,7 +154,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             "scaling_efficiency": compute_s / it["median"],
             "exposed_comm_s": max(0.0, it["median"] - compute_s - compress),
             "compression_overhead_s": compress,
-            "bytes_per_iteration": statistics.median(rec["bytes"]),
+            # per rank per iteration: wire bytes (gradsync.comm.collectives.wire_bytes), the tensors
+            # handed to collectives, and a dense ring all-reduce's wire bytes; ratio on wire bytes
+            "wire_bytes_per_iteration": statistics.median(rec["wire_bytes"]),
+            "payload_bytes_per_iteration": statistics.median(rec["payload_bytes"]),
+            "dense_wire_bytes_per_iteration": statistics.median(rec["dense_wire_bytes"]),
+            "compression_ratio": compression_ratio(statistics.median(rec["dense_wire_bytes"]),
+                                                   statistics.median(rec["wire_bytes"])),
             "options": {**cfg.algorithm_options(name).to_dict(), **{
                 k: v for k, v in chosen.get(name, {}).items() if k != "ccr"}},
             "rs_wait_s": statistics.median(rec["rs_wait_s"]),

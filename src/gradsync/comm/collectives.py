@@ -1,5 +1,6 @@
-"""Plain collectives shared by every algorithm: dense all-reduce of a flat gradient, and flat-tensor
-all-gather and reduce-scatter under the name each torch version prefers.
+"""Plain collectives shared by every algorithm: dense all-reduce of a flat gradient, flat-tensor
+all-gather and reduce-scatter under the name each torch version prefers, and :func:`wire_bytes`, the
+one place where the bytes a collective puts on the network are computed.
 
 torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of
 ``all_gather_single`` / ``reduce_scatter_single``; older releases (>= 2.2) have only the former.
@@ -17,6 +18,65 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """``reduce_scatter_flat(output [n], input [P*n], op=SUM, group=None, async_op=False)``."""
+
+
+#: Collective kinds :func:`wire_bytes` understands.
+WIRE_KINDS = ("allreduce", "reduce_scatter", "allgather", "broadcast", "p2p")
+
+
+def wire_bytes(kind: str, payload_bytes: float, world_size: int) -> float:
+    """Bytes one rank sends on the network for one collective of ``kind`` over ``world_size`` ranks.
+
+    Bandwidth terms of the ring algorithms (Patarasuk & Yuan, "Bandwidth optimal all-reduce
+    algorithms for clusters of workstations", JPDC 2009; Thakur, Rabenseifner & Gropp, "Optimization
+    of collective communication operations in MPICH", IJHPCA 2005), which is what NCCL's ring and
+    Gloo's ring / bcube all-reduce send per rank for large messages. Every rank of the group gets the
+    same figure, so counters stay identical across ranks. With ``P = world_size``:
+
+    * ``"allreduce"``: ``payload_bytes`` = n, the tensor reduced (same on every rank);
+      returns ``2 (P-1)/P * n`` (P-1 reduce-scatter and P-1 all-gather steps of n/P bytes).
+    * ``"reduce_scatter"``: ``payload_bytes`` = n, the full input vector; returns ``(P-1)/P * n``.
+    * ``"allgather"``: ``payload_bytes`` = m, this rank's contribution (its input; the padded size
+      when contributions are padded to the largest); returns ``(P-1) * m`` (a ring all-gather
+      forwards every other rank's block once). An all-gather of shards ``m = n/P`` thus sends
+      ``(P-1)/P * n``, the same as a reduce-scatter of n.
+    * ``"broadcast"``: ``payload_bytes`` = n; returns ``(P-1)/P * n``. Convention: any broadcast
+      tree or pipelined ring (Gloo, NCCL) makes P-1 copies of n in total, one per receiving rank;
+      the total ``(P-1) * n`` is attributed equally to the P ranks (the root of a binomial tree sends
+      more, a leaf nothing), so the figure is the same on every rank.
+    * ``"p2p"``: ``payload_bytes`` = what this rank actually sent point-to-point (e.g. the hops of
+      :mod:`gradsync.comm.ring`, headers included); returned unchanged.
+
+    With ``world_size == 1`` every collective returns 0.0 (nothing leaves the process).
+
+    Args:
+        kind: one of :data:`WIRE_KINDS`.
+        payload_bytes: bytes, >= 0 (int or float).
+        world_size: ranks in the group the collective runs on, >= 1.
+
+    Returns:
+        float, bytes.
+
+    Raises:
+        ValueError: for an unknown ``kind``, ``payload_bytes < 0`` or ``world_size < 1``.
+    """
+    if kind not in WIRE_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(WIRE_KINDS)}; got {kind!r}")
+    if not payload_bytes >= 0:
+        raise ValueError(f"payload_bytes must be >= 0, got {payload_bytes}")
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size}")
+    p = int(world_size)
+    n = float(payload_bytes)
+    if kind == "p2p":
+        return n
+    if p == 1:
+        return 0.0
+    if kind == "allreduce":
+        return 2.0 * (p - 1) * n / p
+    if kind == "allgather":
+        return (p - 1) * n
+    return (p - 1) * n / p  # reduce_scatter, broadcast
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -55,9 +115,9 @@ def _device_types(group: dist.ProcessGroup | None) -> list[str]:
 def dense_allreduce(x: torch.Tensor, group: dist.ProcessGroup | None = None,
                     counter: Callable[..., None] | None = None) -> torch.futures.Future:
     """Average ``x`` (any shape and floating dtype) over ranks in place: ``x /= P``, then one
-    all-reduce SUM, as DDP's built-in reduction does. ``counter(x)`` records the bytes handed over.
-    Returns a future of ``x``."""
+    all-reduce SUM, as DDP's built-in reduction does. ``counter(x, kind="allreduce")`` records the
+    bytes (e.g. ``HookState.count_collective``). Returns a future of ``x``."""
     x.div_(dist.get_world_size(group))
     if counter is not None:
-        counter(x)
+        counter(x, kind="allreduce")
     return dist.all_reduce(x, group=group, async_op=True).get_future().then(lambda _: x)

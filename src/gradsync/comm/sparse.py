@@ -44,8 +44,11 @@ def allreduce_payload(
     Args:
         payload: tuple of floating tensors, same shapes and dtypes on every rank (not modified).
         group: process group (``None`` = default).
-        counter: called as ``counter(tensor)`` for every tensor handed to a collective (e.g.
-            ``HookState.count_collective``, which records bytes).
+        counter: called as ``counter(tensor, kind=...)`` for every tensor handed to a collective,
+            with the collective kind of :func:`gradsync.comm.collectives.wire_bytes`
+            (``"allreduce"`` here; ``"allgather"`` in :func:`allgather_payload`, with this rank's
+            padded contribution), e.g. ``HookState.count_collective``, which records payload and
+            wire bytes.
 
     Returns:
         Future of a list of tensors: ``sum_r payload_r[i] / P`` for each i (dtypes kept; the division
@@ -56,7 +59,7 @@ def allreduce_payload(
     futs = []
     for t in tensors:
         if counter is not None:
-            counter(t)
+            counter(t, kind="allreduce")
         futs.append(dist.all_reduce(t, group=group, async_op=True).get_future())
     if not futs:
         return _done([])
@@ -93,7 +96,7 @@ def allgather_payload(
         sizes = torch.tensor(numels, dtype=torch.int64, device=device)
         gathered = torch.empty(world * len(payload), dtype=torch.int64, device=device)
         if counter is not None:
-            counter(sizes)
+            counter(sizes, kind="allgather")
         all_gather_flat(gathered, sizes, group=group)
         flat = gathered.tolist()  # the sizes are needed on the host (one device sync)
         all_sizes = [flat[r * len(payload) : (r + 1) * len(payload)] for r in range(world)]
@@ -123,7 +126,7 @@ def allgather_payload(
         off += b.numel()
     out = torch.empty(world * max_bytes, dtype=torch.uint8, device=device)
     if counter is not None:
-        counter(local)
+        counter(local, kind="allgather")  # padded contribution: (P-1) * max_bytes on the wire
     work = all_gather_flat(out, local, group=group, async_op=True)
     return work.get_future().then(lambda _: unpack(out))
 

@@ -59,7 +59,7 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32]).
 
     Returns:
-        The hook state (``stats()``: ``bytes_sent`` and ``dense_bytes`` in bytes,
+        The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,
         ``compression_ratio``, ``iteration``; ``state_dict()``), or ``None`` in a single-process run
         (nothing to synchronise; a warning is issued).
 

@@ -7,7 +7,7 @@ Usage (any accelerator; ``strategy="ddp"``, ``"ddp_spawn"`` or a ``DDPStrategy``
     hook = GradsyncHook("covap", ratio=4)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=[hook])
     trainer.fit(model, train_loader)
-    print(hook.state.stats())          # bytes_sent, dense_bytes, compression_ratio, ...
+    print(hook.state.stats())          # wire_bytes, dense_wire_bytes, payload_bytes, compression_ratio, ...
 
 Why a callback and not ``DDPStrategy(ddp_comm_hook=...)``: Lightning 2.6's ``DDPStrategy`` registers
 ``ddp_comm_hook`` only when the root device is CUDA; on CPU it registers nothing and the run silently
@@ -54,8 +54,8 @@ class GradsyncHook(Callback):
             ``density=0.01`` (top-k). Validated when the fit starts (``setup``), on every rank.
 
     Attributes:
-        state: the hook state of the current fit (``stats()``: ``bytes_sent``, ``dense_bytes`` in
-            bytes, ``compression_ratio``, ``iteration``...), or ``None`` before the fit starts and in a
+        state: the hook state of the current fit (``stats()``: ``wire_bytes``, ``dense_wire_bytes``,
+            ``payload_bytes`` in bytes, ``compression_ratio``, ``iteration``...), or ``None`` before the fit starts and in a
             single-process run (nothing to synchronise, no hook).
 
     Raises:

@@ -25,8 +25,9 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("samples/s", f"{s['samples_per_s']:.1f}"),
         ("mean iteration time", f"{s['mean_iteration_s'] * 1e3:.1f} ms"),
         ("mean compute time (fwd+bwd, no comm)", f"{s['mean_compute_s'] * 1e3:.1f} ms"),
-        ("bytes sent per rank per iteration", fmt_bytes(s["bytes_per_iteration"])),
-        ("compression ratio", f"{s['compression_ratio']:.2f}x"),
+        ("wire bytes per rank per iteration", fmt_bytes(s["wire_bytes_per_iteration"])),
+        ("payload bytes per rank per iteration", fmt_bytes(s["payload_bytes_per_iteration"])),
+        ("compression ratio (dense all-reduce wire bytes / wire bytes)", f"{s['compression_ratio']:.2f}x"),
     ]
     if "bits_per_char" in s:
         rows.append(("validation bits per character", f"{s['bits_per_char']:.3f}"))

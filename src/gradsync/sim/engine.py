@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from gradsync.comm.collectives import wire_bytes
 from gradsync.sim.costmodel import Network, collective_time
 from gradsync.sim.plans import AlgorithmPlan, BucketPlan, make_plan
 from gradsync.sim.profile import Profile, load_profile
@@ -58,13 +59,14 @@ class Result:
 
 
 def _wire_bytes(kind: str, nbytes: float, p: int) -> float:
-    if p == 1:
-        return 0.0
-    if kind == "allreduce":
-        return 2 * (p - 1) / p * nbytes
-    if kind in ("reduce_scatter", "allgather"):
-        return (p - 1) / p * nbytes
-    return (p - 1) * nbytes  # sparse_allgather: ring forwards every other rank's payload
+    """Wire bytes of a plan step through the one formula the algorithms count with
+    (:func:`gradsync.comm.collectives.wire_bytes`); a plan's ``"allgather"`` gives the full gathered
+    vector (this rank contributes 1/P of it), ``"sparse_allgather"`` this rank's payload."""
+    if kind == "allgather":
+        return wire_bytes("allgather", nbytes / p, p)
+    if kind == "sparse_allgather":
+        return wire_bytes("allgather", nbytes, p)
+    return wire_bytes(kind, nbytes, p)  # allreduce, reduce_scatter
 
 
 def _overlapped_end(start: float, cost: float, compute_end: float, eta: float) -> float:

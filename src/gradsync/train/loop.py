@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from ..algorithms import BuildContext, Precision, build
+from ..algorithms.base import compression_ratio
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
 from ..profiler.ccr import measure_ccr
@@ -105,7 +106,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     start_step = step
     reporter = rank_progress(step)
     stats0 = dp.stats()
-    last_bytes = stats0["bytes_sent"]
+    last_wire, last_payload = stats0["wire_bytes"], stats0["payload_bytes"]
     wall0 = time.perf_counter() - (iterations[-1]["wall_s"] if iterations else 0.0)
     for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)
@@ -122,14 +123,15 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             train_time += dt
             step += 1
             observed = dp.observe_step(dt, cfg.batch_size)
-            sent = dp.stats()["bytes_sent"]
+            now = dp.stats()
             record = {"step": step, "epoch": epoch, "loss": float(loss.item()), "iter_s": dt,
-                      "bytes": sent - last_bytes, "wall_s": time.perf_counter() - wall0,
+                      "wire_bytes": now["wire_bytes"] - last_wire,
+                      "payload_bytes": now["payload_bytes"] - last_payload, "wall_s": time.perf_counter() - wall0,
                       "lr": sched.get_last_lr()[0], **observed}
             if precision.scaler is not None:
                 record["loss_scale"] = float(precision.scaler.get_scale())
             iterations.append(record)
-            last_bytes = sent
+            last_wire, last_payload = now["wire_bytes"], now["payload_bytes"]
             reporter.report(step)
             if (cfg.checkpoint and cfg.checkpoint_every and step % cfg.checkpoint_every == 0
                     and step % steps_per_epoch and step < total_steps):  # else the epoch's checkpoint
@@ -161,8 +163,10 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         progress.close()
 
     stats = dp.stats()
-    bytes_sent = stats["bytes_sent"] - stats0["bytes_sent"]
-    dense = stats["dense_bytes"] - stats0["dense_bytes"]
+    wire = stats["wire_bytes"] - stats0["wire_bytes"]
+    dense_wire = stats["dense_wire_bytes"] - stats0["dense_wire_bytes"]
+    payload = stats["payload_bytes"] - stats0["payload_bytes"]
+    run_steps = max(1, step - start_step)
     iter_times = [it["iter_s"] for it in iterations]
     summary = {
         "algorithm": cfg.algorithm,
@@ -177,9 +181,13 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         "optimizer_s": compute.optimizer_s,
         "forward_s": compute.forward_s,
         "backward_s": compute.backward_s,
-        "bytes_per_iteration": bytes_sent / max(1, step - start_step),
-        "dense_bytes_per_iteration": dense / max(1, step - start_step),
-        "compression_ratio": dense / bytes_sent if bytes_sent else float("inf"),
+        # bytes per rank per iteration of this run: wire (what the rank puts on the network,
+        # gradsync.comm.collectives.wire_bytes), its dense all-reduce reference, and payload (the
+        # tensors handed to collectives); compression ratio on wire bytes
+        "wire_bytes_per_iteration": wire / run_steps,
+        "dense_wire_bytes_per_iteration": dense_wire / run_steps,
+        "payload_bytes_per_iteration": payload / run_steps,
+        "compression_ratio": compression_ratio(dense_wire, wire),
         "train_seconds": train_time,
         "wall_seconds": time.perf_counter() - wall0,
     }

@@ -104,9 +104,10 @@ class OrderedBucketWorker:
 
 def dense_bucket(state: Any, buf: torch.Tensor) -> torch.Tensor:
     """Plain averaging all-reduce of ``buf`` in place (the warm-up before ``start_iter``); counted in
-    ``bytes_sent``, not in ``wire_bytes``."""
+    ``payload_bytes`` and ``wire_bytes`` like every collective, and also in
+    ``state.warmup_wire_bytes`` (so per-step figures can leave the warm-up out)."""
     dist.all_reduce(buf, group=state.comm_group)
-    state.count_collective(buf)
+    state.warmup_wire_bytes += state.count_collective(buf, kind="allreduce")[1]
     buf.div_(state.world_size)
     return buf
 

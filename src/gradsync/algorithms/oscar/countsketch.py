@@ -82,7 +82,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
         self.start_iter = check_int("start_iter", start_iter, 0, None)
         self.seed = check_int("seed", seed, 0, None)
         self.accumulators: dict[int, torch.Tensor] = {}
-        self.wire_bytes = 0.0
+        self.warmup_wire_bytes = 0.0  # wire_bytes of the dense warm-up (wire_bytes: HookState's counter)
         self.compressed_iterations = 0
 
     def config(self) -> dict[str, Any]:
@@ -91,8 +91,8 @@ class CountSketchState(OrderedBucketWorker, HookState):
 
     def stats(self) -> dict[str, float]:
         out = super().stats()
-        out.update(wire_bytes=self.wire_bytes,
-                   wire_bytes_per_step=self.wire_bytes / max(self.compressed_iterations, 1))
+        out.update(wire_bytes_per_step=(self.wire_bytes - self.warmup_wire_bytes)
+                   / max(self.compressed_iterations, 1))
         return out
 
     def __getstate__(self) -> dict[str, Any]:
@@ -124,8 +124,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
         sk.accumulate(g, hashed=hashed)
         self.compress_seconds += time.perf_counter() - t0
         dist.all_reduce(sk.table, group=self.comm_group)
-        self.count_collective(sk.table)
-        self.wire_bytes += sk.table.numel() * 4 * 2 * (p - 1) / p
+        self.count_collective(sk.table, kind="allreduce")
         k = max(1, math.ceil(self.heavy_fraction * cols))
         if self.variant == "local_ef":
             t0 = time.perf_counter()
@@ -133,8 +132,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
             self.compress_seconds += time.perf_counter() - t0
             vals = g[idx].clone()
             dist.all_reduce(vals, group=self.comm_group)
-            self.count_collective(vals)
-            self.wire_bytes += vals.numel() * 4 * 2 * (p - 1) / p
+            self.count_collective(vals, kind="allreduce")
             g[idx] = 0.0  # what was sent leaves the local error feedback
             out = torch.zeros(n, dtype=torch.float32)
             out[idx] = vals / p

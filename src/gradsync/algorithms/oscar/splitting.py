@@ -45,10 +45,13 @@ This module deliberately does not use ``from __future__ import annotations``: DD
 
 The reductions run on the state's ordered bucket worker (:mod:`.bucket_worker`), in bucket order.
 
-Statistics (``stats()``; byte and time figures cover the compressed iterations only):
-``wire_bytes`` estimated bytes this rank put on the wire (ring point-to-point bytes exactly,
-8-byte headers included; an all-reduce of B bytes counted as ``2 (P-1) / P * B``, as a ring
-all-reduce sends), ``wire_bytes_per_step``, ``wire_bytes_last_step`` (the last completed iteration),
+Statistics (``stats()``): the common counters of :func:`gradsync.algorithms.base.counter_stats`, with
+``wire_bytes`` the bytes this rank put on the wire over all iterations, warm-up included (ring
+point-to-point bytes exactly as sent, 8-byte headers included; an all-reduce of B bytes counted as
+``2 (P-1) / P * B``, as a ring all-reduce sends: :func:`gradsync.comm.collectives.wire_bytes`);
+the other byte and time figures cover the compressed iterations only:
+``wire_bytes_per_step`` (wire bytes of the compressed iterations / their number),
+``wire_bytes_last_step`` (the last completed iteration),
 ``encode_seconds`` / ``decode_seconds`` (ASC callbacks), ``coding_seconds`` (their sum),
 ``coding_seconds_per_step`` (per compressed iteration), ``coding_seconds_per_hop`` (encode + decode
 seconds per coded ring message this rank sent: every hop's payload is encoded once, by its sender or,
@@ -205,8 +208,8 @@ class OscarState(OrderedBucketWorker, HookState):
         self.coders: dict[int, ASCRingCoder] = {}
         self._generator: torch.Generator | None = None
         self._rng_state: torch.Tensor | None = None
-        # statistics
-        self.wire_bytes = 0.0
+        # statistics (wire_bytes and payload_bytes: HookState's counters)
+        self.warmup_wire_bytes = 0.0
         self.compressed_iterations = 0
         self.encode_seconds = 0.0
         self.decode_seconds = 0.0
@@ -276,8 +279,7 @@ class OscarState(OrderedBucketWorker, HookState):
         it = max(self.compressed_iterations, 1)
         coding = self.encode_seconds + self.decode_seconds
         out.update(
-            wire_bytes=self.wire_bytes,
-            wire_bytes_per_step=self.wire_bytes / it,
+            wire_bytes_per_step=(self.wire_bytes - self.warmup_wire_bytes) / it,
             wire_bytes_last_step=self.wire_bytes_last_step,
             encode_seconds=self.encode_seconds,
             decode_seconds=self.decode_seconds,
@@ -298,11 +300,9 @@ class OscarState(OrderedBucketWorker, HookState):
         )
         return out
 
-    def _count(self, t: torch.Tensor, kind: str = "allreduce") -> None:
-        nbytes = t.numel() * t.element_size()
-        self.count_collective(t)
-        p = self.world_size
-        self.wire_bytes += nbytes * (2 * (p - 1) / p if kind == "allreduce" else 1)
+    def _count(self, t: torch.Tensor) -> None:
+        """Count an all-reduce of ``t`` on :attr:`comm_group` (same ranks as ``process_group``)."""
+        self.count_collective(t, kind="allreduce")
 
     def resolved_levels(self, world_size: int) -> int:
         """``levels``, or ``max(1, 127 // world_size)`` when it was left ``None``."""
@@ -464,9 +464,7 @@ class OscarState(OrderedBucketWorker, HookState):
         self.coded_elements += sum(rs.rs_numel) + sum(rs.ag_numel)
         self.coded_bytes += rs.total_bytes
         self.compress_seconds += rs.encode_seconds + rs.decode_seconds
-        self.bytes_sent += rs.total_bytes
-        self.collectives += 1
-        self.wire_bytes += rs.total_bytes
+        self.count_payload(rs.total_bytes, "p2p")  # ring hops as sent, length headers included
         sent = [b for b in rs.rs_bytes]
         if sent:
             mean = sum(sent) / len(sent)
@@ -476,6 +474,7 @@ class OscarState(OrderedBucketWorker, HookState):
             mine = torch.tensor(rs.rs_bytes, dtype=torch.float64)
             allb = torch.zeros(p * mine.numel(), dtype=torch.float64)
             all_gather_flat(allb, mine, group=pg)
+            self.count_collective(mine, kind="allgather")
             per_step = allb.view(p, -1)
             mean = per_step.mean(0)
             ok = mean > 0
