@@ -192,27 +192,27 @@ def _steps(ddp, opt, rank, steps, state, per_step=None):
             per_step.append(state.stats()["payload_bytes"] - before)
 
 
-def _covap_ddp(module, state=None, unsent="zero"):
+def _covap_ddp(module, state=None):
     ddp = DDP(module, bucket_cap_mb=0.001)
-    state = state or CovapState(ratio=4, model=module, unsent=unsent)
+    state = state or CovapState(ratio=4, model=module)
     ddp.register_comm_hook(state, covap_hook)
     return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05)
 
 
-def restore_into_fresh_ddp(rank, world, steps_before, steps_after, unsent="zero"):
+def restore_into_fresh_ddp(rank, world, steps_before, steps_after):
     """Train, save the COVAP state, restore it into a fresh DDP (buckets not rebuilt yet) and go on;
     compare with the same run uninterrupted."""
     torch.manual_seed(0)
     reference = make_model()
-    ddp, state, opt = _covap_ddp(reference, unsent=unsent)
+    ddp, state, opt = _covap_ddp(reference)
     _steps(ddp, opt, rank, range(steps_before + steps_after), state)
 
     torch.manual_seed(0)
     module = make_model()
-    ddp, state, opt = _covap_ddp(module, unsent=unsent)
+    ddp, state, opt = _covap_ddp(module)
     _steps(ddp, opt, rank, range(steps_before), state)
     saved = state.state_dict()
-    restored = CovapState(ratio=4, model=module, unsent=unsent)
+    restored = CovapState(ratio=4, model=module)
     restored.load_state_dict(saved)
     fresh, restored, opt = _covap_ddp(module, restored)
     per_step: list[int] = []
@@ -223,13 +223,11 @@ def restore_into_fresh_ddp(rank, world, steps_before, steps_after, unsent="zero"
             restored.remapped_buckets)
 
 
-@pytest.mark.parametrize("unsent", ["zero", "spread"])
-def test_restored_state_continues_the_uninterrupted_run(unsent):
+def test_restored_state_continues_the_uninterrupted_run():
     """A CovapState restored into a fresh DDP used to crash the first backward ('bucket layout
     changed'). Now the iteration before DDP's bucket rebuild finds every parameter by name in the
-    recorded layout, so the resumed run equals the uninterrupted one (bitwise at 2 ranks), also with
-    ``unsent="spread"`` whose held values travel in the state."""
-    r0, r1 = run_ranks(restore_into_fresh_ddp, 2, 5, 4, unsent, timeout=120)
+    recorded layout, so the resumed run equals the uninterrupted one (bitwise at 2 ranks)."""
+    r0, r1 = run_ranks(restore_into_fresh_ddp, 2, 5, 4, timeout=120)
     per_step, dense, reference, resumed, residual_mass, iteration, remapped = r0
     assert remapped > 0, "the fresh DDP's first layout differs from the recorded one"
     assert residual_mass != 0.0, "residuals were saved"

@@ -18,14 +18,6 @@ so every rank selects the same elements and a plain all-reduce still works.
   as the schedule of a :class:`~gradsync.feedback.residual.ResidualMemory`); the selected shard of ``x``
   is all-reduced (averaged), everything unsent stays in ``e``. Unsent positions have zero gradient this
   step; momentum and weight decay still apply (a deliberate choice, as in the reference code).
-* Adaptive optimizers (``unsent="spread"``, gradsync's addition, not in the paper): a zero at an unsent
-  position still moves Adam's moment estimates (the first moment decays towards zero, the second
-  sees one burst of about K accumulated gradients every K steps), so the effective step shrinks and
-  grows noisy. With ``spread``, the averaged shard divided by K is delivered at its positions on
-  each of the K iterations until the shard is sent again (held in a float32 buffer per bucket,
-  identical on every rank because it comes from the all-reduce), so the optimizer sees a steady
-  stream of the size of one gradient and the gradient delivered over a cycle is still the
-  accumulated one. No extra communication; one float32 copy of each bucket in memory.
 * K from the CCR: with ``ratio="auto"`` the synchroniser measures the communication-to-computation
   ratio and :meth:`CovapFilter.calibrate` sets K = ceil(CCR) in [1, 32].
 * Compression starts at ``start_iter`` (default 2), after DDP's bucket rebuild, like PowerSGD's
@@ -58,8 +50,6 @@ from .spec import hook_algorithm
 
 log = logging.getLogger(__name__)
 
-UNSENT_CHOICES = ("zero", "spread")
-
 
 @dataclass(frozen=True)
 class CovapOptions(Options):
@@ -68,9 +58,6 @@ class CovapOptions(Options):
     OWNER = "covap"
     ratio: Union[int, str] = option(3, "COVAP compression ratio K: each gradient element is sent once every "
                                     "K iterations; 'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
-    unsent: str = option("zero", "what unsent positions receive: 'zero' (the paper) or 'spread' (the last sent "
-                         "value / K on each step until the next send; for Adam-family optimizers)",
-                         choices=UNSENT_CHOICES)
 
 
 class CovapFilter:
@@ -81,20 +68,13 @@ class CovapFilter:
             :meth:`calibrate` receives the CCR.
         lam0, ramp_steps: discount constants; ``None`` takes the reference values for K
             (``lam0=0.5, D=50`` for K <= 8, else ``0.2, 100``).
-        unsent: ``"zero"`` (unsent positions get a zero gradient, the paper) or ``"spread"`` (each
-            shard's averaged value / K is delivered on every iteration until the shard is sent again;
-            see the module docstring).
 
     Raises:
         ValueError: for arguments outside those ranges.
     """
 
     def __init__(self, ratio: Union[int, str] = 3, lam0: Optional[float] = None,
-                 ramp_steps: Optional[int] = None, unsent: str = "zero"):
-        if unsent not in UNSENT_CHOICES:
-            raise ValueError(f"unsent must be one of {', '.join(UNSENT_CHOICES)}; got {unsent!r}")
-        self.unsent = unsent
-        self.held: dict[int, torch.Tensor] = {}
+                 ramp_steps: Optional[int] = None):
         self.auto = ratio == AUTO
         self.ratio = 1 if self.auto else check_int("ratio", ratio, 1, MAX_RATIO)
         self.calibrated = False
@@ -175,45 +155,22 @@ class CovapFilter:
         self.memory.store(key, x)
         return shard, c, values
 
-    def deliver(self, key: int, out: torch.Tensor, selected: Optional[Tuple[int, int]],
-                reduced: Optional[torch.Tensor]) -> torch.Tensor:
-        """Write bucket ``key``'s synchronised gradient into ``out`` (1-D, the bucket's numel and
-        dtype) and return it. ``selected`` is ``(shard, c)`` from :meth:`split` (``None`` when the
-        bucket sent nothing) and ``reduced`` the averaged ``out[shard::c]`` values. ``"zero"``: unsent
-        positions are zero. ``"spread"``: the positions of each shard hold its last averaged value / K
-        until the shard is sent again (zero before its first send)."""
-        if self.unsent == "zero":
-            out.zero_()
-            if selected is not None:
-                shard, c = selected
-                out[shard::c] = reduced
-            return out
-        held = self.held.get(key)
-        if held is None or held.numel() != out.numel():
-            held = self.held[key] = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
-        if selected is not None:
-            shard, c = selected
-            held[shard::c] = reduced.to(torch.float32) / self.ratio
-        out.copy_(held)
-        return out
-
     def config(self) -> dict[str, Any]:
         return {"ratio": AUTO if self.needs_ccr else self.ratio, "lam0": self.discount.lam0,
-                "ramp_steps": self.discount.ramp_steps, "unsent": self.unsent}
+                "ramp_steps": self.discount.ramp_steps}
 
     def stats(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
 
     def state_dict(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "auto": self.auto, "calibrated": self.calibrated,
-                "memory": self.memory.state_dict(), "held": {k: v.clone() for k, v in self.held.items()}}
+                "memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.auto = bool(state["auto"])
         self.set_ratio(int(state["ratio"]))
         self.calibrated = bool(state["calibrated"])
         self.memory.load_state_dict(state["memory"])
-        self.held = {int(k): v.clone() for k, v in state.get("held", {}).items()}
 
 
 class CovapState(HookState):
@@ -227,7 +184,6 @@ class CovapState(HookState):
         lam0, ramp_steps: discounted-EF constants (see :class:`CovapFilter`).
         model: the module DDP wraps (optional): bucket layouts then name parameters, so residuals
             follow parameters when a restored state meets a differently bucketed DDP.
-        unsent: ``"zero"`` or ``"spread"`` (see :class:`CovapFilter`).
 
     Attributes:
         filter: the :class:`CovapFilter`.
@@ -242,9 +198,9 @@ class CovapState(HookState):
 
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
-                 model: Optional[torch.nn.Module] = None, unsent: str = "zero"):
+                 model: Optional[torch.nn.Module] = None):
         super().__init__(process_group)
-        self.filter = CovapFilter(ratio, lam0, ramp_steps, unsent)
+        self.filter = CovapFilter(ratio, lam0, ramp_steps)
         self.start_iter = check_int("start_iter", start_iter, 2)
         self.param_names = parameter_names(model) if model is not None else None
         self.layouts: dict[int, Any] = {}
@@ -365,7 +321,7 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     with state.compression_timer():
         selected = state.filter.split(index, buf, t, t - state.start_iter, send_dtype=buf.dtype)
         if selected is None:
-            state.filter.deliver(index, buf, None, None)
+            buf.zero_()
         else:
             shard, c, values = selected
             send = values.div_(world)
@@ -379,7 +335,9 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
 
     def scatter_back(f: torch.futures.Future) -> torch.Tensor:
-        return state.filter.deliver(index, buf, (shard, c), f.value()[0])
+        buf.zero_()
+        buf[shard::c] = f.value()[0]
+        return buf
 
     return work.get_future().then(scatter_back)
 
@@ -396,7 +354,7 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
     lam = state.filter.discount(t - state.start_iter)
     where = state.param_index()
     state.remapped_buckets += 1
-    sends, positions, pieces = [], [], []
+    sends, positions = [], []
     with state.compression_timer():
         cur = 0
         for name, n in layout:
@@ -408,8 +366,6 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
             else:
                 e = memory.residuals[b] = torch.zeros(plan.numels[b], dtype=torch.float32, device=buf.device)
             shard = plan.selected_shard(b, t)
-            pieces.append((b, off, n, cur, None if shard is None else ((shard - off) % plan.shards[b],
-                                                                        plan.shards[b])))
             if shard is not None:
                 c = plan.shards[b]
                 first = (shard - off) % c
@@ -419,7 +375,7 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
             e[off:off + n] = x
             cur += n
     if not sends:
-        _deliver_remapped(state.filter, buf, pieces)
+        buf.zero_()
         state.buckets_skipped += 1
         state.end_bucket(bucket)
         return _completed(buf)
@@ -432,27 +388,9 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
     def scatter_back(f: torch.futures.Future) -> torch.Tensor:
         buf.zero_()
         buf[index] = f.value()[0]
-        return _deliver_remapped(state.filter, buf, pieces)
+        return buf
 
     return work.get_future().then(scatter_back)
-
-
-def _deliver_remapped(filt: CovapFilter, buf: torch.Tensor, pieces: list) -> torch.Tensor:
-    """:meth:`CovapFilter.deliver` for a remapped bucket: ``buf`` holds the averaged sent values at
-    their positions and zeros elsewhere; ``pieces`` lists ``(recorded bucket, offset there, numel,
-    offset in buf, (first, c) or None)`` per parameter. With ``"spread"`` each parameter's slice of
-    its recorded bucket's held buffer is updated and delivered."""
-    if filt.unsent == "zero":
-        return buf
-    for b, off, n, cur, sent in pieces:
-        held = filt.held.get(b)
-        if held is None:
-            held = filt.held[b] = torch.zeros(filt.plan.numels[b], dtype=torch.float32, device=buf.device)
-        if sent is not None:
-            first, c = sent
-            held[off + first:off + n:c] = buf[cur + first:cur + n:c].to(torch.float32) / filt.ratio
-        buf[cur:cur + n] = held[off:off + n]
-    return buf
 
 
 def _numels(layout: Any) -> list[int]:
@@ -470,8 +408,7 @@ def _numels(layout: Any) -> list[int]:
 
 
 def _make_hook(opts: CovapOptions, ctx: Any) -> Tuple[CovapState, Any]:
-    return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model,
-                      unsent=opts.unsent), covap_hook
+    return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model), covap_hook
 
 
 SPEC = hook_algorithm("covap", "COVAP coarse-grained filter, K from the measured CCR, discounted error feedback "
