@@ -30,16 +30,19 @@ class CCRMeasurement:
 
 
 def ddp_bucket_numels(ddp: DistributedDataParallel) -> list[int]:
-    """Numel of each DDP bucket (reduction order) after the bucket rebuild, from DDP's logging data
-    (bucket sizes in bytes, divided by the parameters' element size: 4 for float32, 2 for bf16/fp16);
-    falls back to the parameter total when DDP does not report it or the parameters mix dtypes."""
+    """Numel of each DDP bucket (reduction order) from DDP's logging data: the sizes after DDP's
+    bucket rebuild (``rebuilt_bucket_sizes``, present once the first iterations ran) or else the
+    construction-time sizes, in bytes divided by the parameters' element size (4 for float32, 2 for
+    bf16/fp16); falls back to the parameter total when DDP does not report them or the parameters
+    mix dtypes."""
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
     itemsizes = {p.element_size() for p in params}
     if len(itemsizes) != 1:
         return [total]
     itemsize = itemsizes.pop()
-    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    data = ddp._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")
     try:
         numels = [int(s) // itemsize for s in str(sizes).split(",") if s.strip()]
     except ValueError:
