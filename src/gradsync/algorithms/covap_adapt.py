@@ -44,7 +44,8 @@ class StepTiming:
         backward_s: backward compute seconds seen by the hook (see :class:`CommTimer`).
         comm_s: seconds during which at least one of the step's collectives was in flight.
         exposed_s: seconds from the last bucket's hook call to the last collective's completion
-            (communication not hidden behind the backward pass), >= 0.
+            (communication not hidden behind the backward pass, including the hook's own work on
+            the last bucket before its launch), >= 0.
         sent_elements: gradient elements handed to collectives this step.
         dense_elements: elements of all the step's buckets (what dense all-reduce would send).
     """
