@@ -16,7 +16,7 @@ communication behind the backward pass. Here the hook times what it already does
   estimates with MAX on every rank, so every rank takes the same decision at the same step. The
   dense-equivalent all-reduce time is the busy time scaled by ``dense elements / sent elements``
   (the compressed all-reduce carries about 1/K of the gradient), and the CCR estimate is that over
-  the backward time: the quantity the start-up choice K = ceil(CCR) is made from
+  the backward time (median over the window's steps): the quantity the start-up choice K = ceil(CCR) is made from
   (:func:`~gradsync.compressors.covap_shards.ratio_for_ccr`). K moves to ceil(CCR) only when the
   estimate leaves the band ``[(K - 1)(1 - h), K(1 + h)]`` (hysteresis ``h``), so measurement noise
   near a boundary does not flap K.
@@ -24,6 +24,8 @@ communication behind the backward pass. Here the hook times what it already does
 
 from __future__ import annotations
 
+import os
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -179,17 +181,17 @@ class RatioAdapter:
         return steps_since_start > 0 and steps_since_start % self.adapt_every == 0
 
     def estimate(self) -> torch.Tensor:
-        """This rank's window figures ``[ccr, exposed_s, comm_s, backward_s]`` (float64); ``ccr`` is
-        -1 when the window holds no sent element or no backward time (no information)."""
-        n = len(self.window)
-        comm = sum(w.comm_s for w in self.window)
-        back = sum(w.backward_s for w in self.window)
-        sent = sum(w.sent_elements for w in self.window)
-        dense = sum(w.dense_elements for w in self.window)
-        exposed = sum(w.exposed_s for w in self.window)
-        ccr = comm * dense / sent / back if sent > 0 and back > 0 else -1.0
-        n = max(n, 1)
-        return torch.tensor([ccr, exposed / n, comm / n, back / n], dtype=torch.float64)
+        """This rank's window figures ``[ccr, exposed_s, comm_s, backward_s]`` (float64): ``ccr`` is
+        the median over the window's steps that sent something of ``comm_s * dense / sent /
+        backward_s`` (the median, so one stalled step does not move K), -1 when no step sent or had
+        a backward time (no information); the others are per-step means."""
+        per_step = sorted(w.comm_s * w.dense_elements / w.sent_elements / w.backward_s
+                          for w in self.window if w.sent_elements > 0 and w.backward_s > 0)
+        ccr = statistics.median(per_step) if per_step else -1.0
+        n = max(len(self.window), 1)
+        return torch.tensor([ccr, sum(w.exposed_s for w in self.window) / n,
+                             sum(w.comm_s for w in self.window) / n,
+                             sum(w.backward_s for w in self.window) / n], dtype=torch.float64)
 
     def decide(self, ratio: int, ccr: float) -> int:
         """The K to use given the current ``ratio`` and the (all-reduced) CCR estimate ``ccr``:
@@ -203,13 +205,32 @@ class RatioAdapter:
         return ratio
 
     def step_boundary(self, ratio: int, group: Optional[dist.ProcessGroup], device: torch.device) -> int:
-        """Collective (every rank, same step): all-reduce MAX the window figures, clear the window
-        and return the K every rank switches to now."""
-        est = self.estimate().to(device)
+        """Collective (every rank, same step): one MAX all-reduce of the window figures, giving
+        every rank the same numbers: the *minimum* over ranks of the CCR estimate and busy time (sent
+        negated) and the maximum of the exposed and backward times; clear the window and return the
+        K every rank switches to now. A window without information (no step sent anything, as
+        when K exceeds the number of shards and the window is shorter than K) is kept and extended
+        to the next decision.
+
+        Why the minimum for the busy time: a collective completes only when the last rank joins
+        it, so the interval an early rank measures includes its wait for the others (rank skew, a
+        straggler's compute), not only the network; the rank that joined last measures the
+        network. (The start-up CCR avoids skew with a barrier before each timed all-reduce and can
+        take the MAX.)"""
+        local = self.estimate()
+        no_info = not local[0] >= 0
+        est = torch.stack([torch.tensor(float("-inf"), dtype=torch.float64) if no_info else -local[0], -local[2],
+                           local[1], local[3]]).to(device)
         dist.all_reduce(est, op=dist.ReduceOp.MAX, group=group)
-        ccr, exposed, comm, back = (float(v) for v in est.cpu())
-        self.window.clear()
+        neg_ccr, neg_comm, exposed, back = (float(v) for v in est.cpu())
+        ccr = -neg_ccr if neg_ccr != float("-inf") else -1.0
+        comm = -neg_comm
+        if ccr >= 0:  # a window in which no step sent (K above the number of shards) carries on
+            self.window.clear()
         new = self.decide(ratio, ccr)
+        if os.environ.get("GRADSYNC_DEBUG_ADAPT") and dist.get_rank(group) == 0:  # TEMP diagnosis
+            print(f"adapt: K {ratio} ccr {ccr:.3f} exposed {exposed*1e3:.1f} ms comm {comm*1e3:.1f} ms "
+                  f"backward {back*1e3:.1f} ms -> {new}", flush=True)
         self.last = {"ccr": ccr, "exposed_s": exposed, "comm_s": comm, "backward_s": back}
         if new != ratio:
             self.changes += 1
