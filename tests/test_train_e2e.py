@@ -45,14 +45,20 @@ def test_covap_auto_trains_and_writes_metrics(tmp_path):
     assert {"loss", "iter_s", "wire_bytes", "payload_bytes", "wall_s"} <= set(it)
     assert metrics["epochs"][-1]["test_acc"] == s["test_accuracy"]
     assert metrics["config"]["algorithm"] == "covap"
+    # --ratio auto on the command line re-chooses K every 20 steps; K is logged per step
+    assert metrics["config"]["options"]["adapt_every"] == 20
+    assert all(1 <= i["covap_k"] <= 32 for i in metrics["iterations"])
+    assert metrics["iterations"][-1]["covap_k"] == s["ratio"]
 
 
-def test_covap_fixed_ratio_sends_about_one_kth(tmp_path):
-    metrics, _ = train(tmp_path, "--algorithm", "covap", "--ratio", "4")
+@pytest.mark.parametrize("cast, share", [(None, 1 / 4), ("fp16", 1 / 8)])
+def test_covap_fixed_ratio_sends_about_one_kth(tmp_path, cast, share):
+    metrics, _ = train(tmp_path, "--algorithm", "covap", "--ratio", "4", *(["--cast", cast] if cast else []))
     s = metrics["summary"]
     assert s["ratio"] == 4
-    assert s["wire_bytes_per_iteration"] == pytest.approx(s["dense_wire_bytes_per_iteration"] / 4, rel=0.15)
-    assert s["compression_ratio"] == pytest.approx(4, rel=0.15)
+    assert all(i["covap_k"] == 4 for i in metrics["iterations"])  # adapt_every defaults to 0
+    assert s["wire_bytes_per_iteration"] == pytest.approx(s["dense_wire_bytes_per_iteration"] * share, rel=0.15)
+    assert s["compression_ratio"] == pytest.approx(1 / share, rel=0.15)
     assert s["test_accuracy"] > 0.2
 
 

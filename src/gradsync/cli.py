@@ -26,6 +26,19 @@ def _algorithm_values(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
+def _auto_adapt(options: dict, algorithms: list[str]) -> dict:
+    """``--ratio auto`` on the command line also follows the network: COVAP's ``adapt_every``
+    defaults to :data:`~gradsync.algorithms.covap.AUTO_ADAPT_EVERY` steps there (the library's
+    default is 0, K fixed) when an algorithm of the run takes it and it was not given."""
+    from .algorithms import REGISTRY
+    from .algorithms.covap import AUTO_ADAPT_EVERY
+
+    if (options.get("ratio") == "auto" and "adapt_every" not in options
+            and any(a in REGISTRY and "adapt_every" in REGISTRY[a].options.keys() for a in algorithms)):
+        options = {**options, "adapt_every": AUTO_ADAPT_EVERY}
+    return options
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     from .options import add_arguments
     from .train.config import TrainConfig
@@ -43,7 +56,8 @@ def _train(args: argparse.Namespace) -> int:
     from .train.launcher import launch
     from .workloads import get_workload
 
-    cfg = TrainConfig(**values_from_args(TrainConfig, args), options=_algorithm_values(args))
+    cfg = TrainConfig(**values_from_args(TrainConfig, args),
+                      options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
     try:  # fail before spawning workers when the data is absent
         get_workload(cfg.workload).load(cfg.data_dir)
     except FileNotFoundError as exc:
@@ -96,7 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
         if len(rates) not in (1, args.hosts):
             raise ValueError(f"bandwidth must give one rate or {args.hosts} rates, got {len(rates)}")
     cfg = BenchConfig(**values_from_args(BenchConfig, args), bandwidth_mbit=rates[0] if rates else None,
-                      options=_algorithm_values(args))
+                      options=_auto_adapt(_algorithm_values(args), list(args.algorithms)))
     if rates is None:
         if args.latency is not None or args.bandwidth_schedule:
             raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")

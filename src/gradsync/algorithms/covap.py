@@ -46,9 +46,17 @@ from ..feedback.residual import ResidualMemory, _is_named, bucket_layout, parame
 from ..options import AUTO, Options, option
 from ..validation import check_float, check_int
 from .base import HookState
+from .covap_adapt import CommTimer, RatioAdapter
 from .spec import hook_algorithm
 
 log = logging.getLogger(__name__)
+
+#: ``cast`` values and the wire dtypes they select.
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CASTS = tuple(CAST_DTYPES)
+#: ``adapt_every`` that ``gradsync train``/``bench`` use with ``--ratio auto`` (the library's default is 0):
+#: one 4-number all-reduce every 20 steps.
+AUTO_ADAPT_EVERY = 20
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,10 @@ class CovapOptions(Options):
     OWNER = "covap"
     ratio: Union[int, str] = option(3, "COVAP compression ratio K: each gradient element is sent once every "
                                     "K iterations; 'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
+    adapt_every: Optional[int] = option(0, "re-choose K from the hook's own timing of its collectives every this "
+                                        "many steps (0: K fixed)", low=0, high=1_000_000, units="steps")
+    cast: Optional[str] = option(None, "send the selected shard as fp16 or bf16 (rounding error kept in the "
+                                 "error-feedback residual); default: the bucket's dtype", choices=CASTS)
 
 
 class CovapFilter:
@@ -105,15 +117,18 @@ class CovapFilter:
         self.calibrated = True
         return {"ccr": float(ccr), "ratio": self.ratio}
 
-    def set_ratio(self, ratio: int) -> None:
+    def set_ratio(self, ratio: int, keep_discount: bool = False) -> None:
         """Change K (every rank must pass the same value, between iterations); the plan is rebuilt for
-        the new K and the residuals are kept.
+        the new K and the residuals are kept. With ``keep_discount`` the discount schedule stays as
+        it is (a change during training must not lower the discount of residuals already held);
+        otherwise it takes the reference constants for the new K (unless given explicitly).
 
         Raises:
             ValueError: if ``ratio`` is outside [1, 32].
         """
         self.ratio = check_int("ratio", ratio, 1, MAX_RATIO)
-        self._set_ramp()
+        if not keep_discount:
+            self._set_ramp()
         self.plan = None
 
     def plan_for(self, numels: Sequence[int]) -> CovapPlan:
@@ -160,7 +175,7 @@ class CovapFilter:
                 "ramp_steps": self.discount.ramp_steps}
 
     def stats(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
+        return {"ratio": self.ratio, "covap_k": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
 
     def state_dict(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "auto": self.auto, "calibrated": self.calibrated,
@@ -183,7 +198,17 @@ class CovapState(HookState):
             has happened and the layout was recorded in a dense iteration.
         lam0, ramp_steps: discounted-EF constants (see :class:`CovapFilter`).
         model: the module DDP wraps (optional): bucket layouts then name parameters, so residuals
-            follow parameters when a restored state meets a differently bucketed DDP.
+            follow parameters when a restored state meets a differently bucketed DDP; with
+            ``adapt_every`` the end of its forward pass starts the backward timing.
+        adapt_every: re-choose K every this many compressed steps from the hook's timing of its
+            own collectives (:mod:`gradsync.algorithms.covap_adapt`); 0 or ``None`` (default):
+            K stays fixed. Every rank switches K at the same step boundary; residuals are kept.
+        cast: ``"fp16"``, ``"bf16"`` or ``None`` (default: the bucket's dtype): the selected shard
+            is all-reduced (summed) in that dtype and divided by the world size in float32 on
+            receipt; the rounding error of the cast stays in the error-feedback residual.
+        hysteresis: relative band of :class:`~gradsync.algorithms.covap_adapt.RatioAdapter`, in [0, 1).
+        timer: the per-step timing source (default a new
+            :class:`~gradsync.algorithms.covap_adapt.CommTimer`); tests pass one feeding chosen timings.
 
     Attributes:
         filter: the :class:`CovapFilter`.
@@ -191,17 +216,30 @@ class CovapState(HookState):
             dense start-up iterations.
         remapped_buckets: buckets compressed through the recorded layout after a restore, before
             DDP's bucket rebuild.
+        adapter: the :class:`~gradsync.algorithms.covap_adapt.RatioAdapter` (``None`` when K is fixed).
+        cast_dtype: the wire dtype selected by ``cast`` (``None``: the bucket's).
 
     Raises:
-        ValueError: for arguments outside the ranges above.
+        ValueError: for arguments outside the ranges above (``cast`` not one of fp16, bf16, None).
     """
 
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
-                 model: Optional[torch.nn.Module] = None):
+                 model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = 0,
+                 cast: Optional[str] = None, hysteresis: float = 0.25, timer: Any = None):
         super().__init__(process_group)
         self.filter = CovapFilter(ratio, lam0, ramp_steps)
         self.start_iter = check_int("start_iter", start_iter, 2)
+        if cast is not None and cast not in CAST_DTYPES:
+            raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
+        self.cast = cast
+        self.cast_dtype = CAST_DTYPES.get(cast) if cast is not None else None
+        adapt_every = check_int("adapt_every", 0 if adapt_every is None else adapt_every, 0)
+        self.adapter = RatioAdapter(adapt_every, hysteresis) if adapt_every else None
+        self.timer = timer if timer is not None else (CommTimer() if self.adapter is not None else None)
+        if self.timer is not None and model is not None and timer is None:
+            model.register_forward_hook(self.timer.forward_done)
+        self._boundary_iter = -1
         self.param_names = parameter_names(model) if model is not None else None
         self.layouts: dict[int, Any] = {}
         self._awaiting_rebuild = False
@@ -223,8 +261,31 @@ class CovapState(HookState):
         """Change K between iterations (same value on every rank); residuals are kept."""
         self.filter.set_ratio(ratio)
 
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the selected shards travel in when ``cast`` is set (``None``: the bucket's)."""
+        return self.cast_dtype
+
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {"ratio": float(self.filter.ratio)}
+        return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
+
+    def step_boundary(self, device: torch.device) -> None:
+        """At the first hook call of an iteration (every bucket of the previous one has completed):
+        close the previous step's timing and, every ``adapt_every`` compressed steps, re-choose K on
+        every rank together (a blocking MAX all-reduce issued here, in the hook body)."""
+        t = self.iteration
+        if self.adapter is None or self._boundary_iter == t:
+            return
+        self._boundary_iter = t
+        timing = self.timer.finish_step()
+        if t - 1 >= self.start_iter:
+            self.adapter.observe(timing)
+        if t > self.start_iter and self.adapter.due(t - self.start_iter):
+            new = self.adapter.step_boundary(self.filter.ratio, self.process_group, device)
+            if new != self.filter.ratio:
+                log.info("COVAP: iteration %d, CCR estimate %.2f: K %d -> %d", t, self.adapter.last["ccr"],
+                         self.filter.ratio, new)
+                self.filter.set_ratio(new, keep_discount=True)
 
     def layout_of(self, bucket: dist.GradBucket) -> Any:
         return bucket_layout(bucket, self.param_names)
@@ -246,17 +307,26 @@ class CovapState(HookState):
         return self._param_index
 
     def config(self) -> dict[str, Any]:
-        return {"algorithm": "covap", "start_iter": self.start_iter, **self.filter.config()}
+        return {"algorithm": "covap", "start_iter": self.start_iter, **self.filter.config(),
+                "adapt_every": self.adapter.adapt_every if self.adapter else 0, "cast": self.cast}
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
         s.update(self.filter.stats())
         s["ef_discount"] = self.filter.discount(max(0, self.iteration - self.start_iter))
         s["remapped_buckets"] = self.remapped_buckets
+        if self.adapter is not None:
+            s["covap_k_changes"] = self.adapter.changes
+            s.update({"covap_" + k: v for k, v in self.adapter.last.items()})
         return s
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "layouts": dict(self.layouts), "filter": self.filter.state_dict()}
+        """Iteration, recorded layouts, the filter (K, residuals, discount) and, with
+        ``adapt_every``, the adapter's counters."""
+        out = {**super().state_dict(), "layouts": dict(self.layouts), "filter": self.filter.state_dict()}
+        if self.adapter is not None:
+            out["adapter"] = self.adapter.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A fresh DDP has not rebuilt its buckets yet: until its
@@ -267,6 +337,9 @@ class CovapState(HookState):
         self.layouts = {int(k): v for k, v in state["layouts"].items()}
         self._param_index = None
         self.filter.load_state_dict(state["filter"])
+        if self.adapter is not None and "adapter" in state:
+            self.adapter.load_state_dict(state["adapter"])
+        self._boundary_iter = -1
         self._awaiting_rebuild = True
 
 
@@ -282,9 +355,11 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     ``bucket.buffer()`` is the local flat gradient, ``[numel]`` of the parameters' floating dtype
     (float32, bfloat16 or float16) on their device; the returned future holds the averaged gradient
     of the same shape, dtype and device with unsent positions zero. The shard is sent in the
-    bucket's dtype (as DDP's own reduction does); residuals are kept in float32. Bytes counted: the
-    contiguous shard handed to ``all_reduce`` (``numel / c_b`` elements) or nothing for a dropped
-    bucket.
+    bucket's dtype (as DDP's own reduction does), or with ``state.cast`` in float16/bfloat16
+    (summed in that dtype, divided by the world size in float32 on receipt); residuals are kept in
+    float32. Bytes counted: the contiguous shard handed to ``all_reduce`` (``numel / c_b`` elements)
+    or nothing for a dropped bucket. With ``state.adapter``, the first call of an iteration may
+    all-reduce the timing window and change K (:meth:`CovapState.step_boundary`).
 
     Raises:
         RuntimeError: if the bucket layout differs from the one recorded during warm-up (other than
@@ -295,7 +370,15 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     t = state.iteration
     world = state.world_size
     layout = state.layout_of(bucket)
+    timer = state.timer
+    if timer is not None:
+        state.step_boundary(buf.device)
+        timer.bucket_ready(buf.numel())
     if t < state.start_iter:
+        if getattr(state, "_layout_iter", None) != t:  # keep only this iteration's layout (DDP may
+            state.layouts.clear()                      # rebuild into fewer buckets)
+            state._param_index = None
+            state._layout_iter = t
         state.layouts[index] = layout
         fut = dense_allreduce(buf, state.process_group, state.count_collective)
         state.end_bucket(bucket)
@@ -318,13 +401,15 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
         state._awaiting_rebuild = False
 
     state.filter.plan_for(state.recorded_numels())
+    cast = state.cast_dtype
     with state.compression_timer():
-        selected = state.filter.split(index, buf, t, t - state.start_iter, send_dtype=buf.dtype)
+        selected = state.filter.split(index, buf, t, t - state.start_iter,
+                                      send_dtype=buf.dtype if cast is None else cast)
         if selected is None:
             buf.zero_()
         else:
             shard, c, values = selected
-            send = values.div_(world)
+            send = values.div_(world) if cast is None else values
     if selected is None:
         state.buckets_skipped += 1
         state.end_bucket(bucket)
@@ -332,11 +417,15 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     state.count_collective(send)
     state.end_bucket(bucket)
+    ident = timer.launched(send.numel()) if timer is not None else None
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
 
     def scatter_back(f: torch.futures.Future) -> torch.Tensor:
+        if ident is not None:
+            timer.completed(ident)
         buf.zero_()
-        buf[shard::c] = f.value()[0]
+        received = f.value()[0]
+        buf[shard::c] = received if cast is None else received.to(torch.float32).div_(world)
         return buf
 
     return work.get_future().then(scatter_back)
@@ -355,6 +444,8 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
     where = state.param_index()
     state.remapped_buckets += 1
     sends, positions = [], []
+    cast = state.cast_dtype
+    send_dtype = buf.dtype if cast is None else cast
     with state.compression_timer():
         cur = 0
         for name, n in layout:
@@ -369,9 +460,10 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
             if shard is not None:
                 c = plan.shards[b]
                 first = (shard - off) % c
-                sends.append(x[first::c].clone())
+                sent = x[first::c].to(send_dtype, copy=True)
+                sends.append(sent)
                 positions.append(torch.arange(cur + first, cur + n, c, device=buf.device))
-                x[first::c] = 0
+                x[first::c] -= sent.to(torch.float32)  # 0, or the rounding error of a narrower dtype
             e[off:off + n] = x
             cur += n
     if not sends:
@@ -379,15 +471,23 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
         state.buckets_skipped += 1
         state.end_bucket(bucket)
         return _completed(buf)
-    send = torch.cat(sends).to(buf.dtype).div_(state.world_size)
+    send = torch.cat(sends)
+    if cast is None:
+        send.div_(state.world_size)
     index = torch.cat(positions)
     state.count_collective(send)
     state.end_bucket(bucket)
+    timer = state.timer
+    ident = timer.launched(send.numel()) if timer is not None else None
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
+    world = state.world_size
 
     def scatter_back(f: torch.futures.Future) -> torch.Tensor:
+        if ident is not None:
+            timer.completed(ident)
         buf.zero_()
-        buf[index] = f.value()[0]
+        received = f.value()[0]
+        buf[index] = received if cast is None else received.to(torch.float32).div_(world)
         return buf
 
     return work.get_future().then(scatter_back)
@@ -408,7 +508,8 @@ def _numels(layout: Any) -> list[int]:
 
 
 def _make_hook(opts: CovapOptions, ctx: Any) -> Tuple[CovapState, Any]:
-    return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model), covap_hook
+    return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model,
+                      adapt_every=opts.adapt_every, cast=opts.cast), covap_hook
 
 
 SPEC = hook_algorithm("covap", "COVAP coarse-grained filter, K from the measured CCR, discounted error feedback "

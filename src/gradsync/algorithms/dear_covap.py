@@ -71,7 +71,7 @@ class CovapGradFilter:
         self.filter.set_ratio(ratio)
 
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {"ratio": float(self.filter.ratio)}
+        return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
 
     def config(self) -> dict[str, Any]:
         return {"covap_" + k if k == "ratio" else k: v for k, v in self.filter.config().items()}

@@ -158,6 +158,12 @@ class _Common:
         rank, every step); returns per-step figures to log (e.g. GraVAC's compression factor)."""
         return self._controller().observe_step(seconds, samples)
 
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the algorithm puts on the wire when it casts (COVAP's ``cast``), for timing the
+        CCR in that dtype; ``None``: the parameters' dtype."""
+        return getattr(self._controller(), "wire_dtype", None)
+
 
 class HookSynchroniser(_Common):
     """``DistributedDataParallel`` with a gradsync communication hook ``(state, hook)`` registered.
@@ -214,9 +220,13 @@ class HookSynchroniser(_Common):
         self.zero_grad()
 
     def bucket_numels(self) -> list[int]:
-        """Elements per DDP bucket, in reduction order (after the rebuild)."""
+        """Elements per DDP bucket, in reduction order (after the rebuild): the layout the hook
+        recorded when it keeps one (COVAP's ``recorded_numels``), else DDP's rebuilt bucket sizes."""
         from ..profiler.ccr import ddp_bucket_numels
 
+        recorded = getattr(self.state, "recorded_numels", None)
+        if recorded is not None and getattr(self.state, "layouts", None):
+            return list(recorded())
         return ddp_bucket_numels(self.wrapper)
 
     def stats(self) -> dict[str, Any]:

@@ -56,8 +56,9 @@ def print_table(result: dict[str, Any], label: str) -> None:
 
 def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``bench.json``, ``breakdown.png`` (stacked compute / compression / exposed communication
-    per algorithm) and, with time-to-accuracy data, ``accuracy.png`` (test accuracy against training
-    seconds)."""
+    per algorithm), with time-to-accuracy data ``accuracy.png`` (test accuracy against training
+    seconds) and, when a row logs COVAP's ratio per step (``covap_k``), ``ratio.png`` (K per timed
+    step, rounds one after another)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,6 +98,23 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out / "accuracy.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    if any(r.get("covap_k") for r in rows):
+        steps = result["config"]["steps"]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for r in rows:
+            ks = r.get("covap_k")
+            if ks:
+                ax.step(range(1, len(ks) + 1), ks, where="post", label=r["algorithm"])
+        for b in range(steps, max(len(r.get("covap_k") or []) for r in rows), steps):
+            ax.axvline(b + 0.5, color="grey", ls=":", lw=0.8)  # a new round starts from the start-up K
+        ax.set_xlabel("timed step (rounds one after another)")
+        ax.set_ylabel("COVAP ratio K")
+        ax.set_title("COVAP's K per step")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "ratio.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths

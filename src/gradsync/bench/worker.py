@@ -40,12 +40,17 @@ def _batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int, n: int, ba
     return [(x[idx[i * batch:(i + 1) * batch]], y[idx[i * batch:(i + 1) * batch]]) for i in range(n)]
 
 
-def _train_steps(dp: Synchroniser, batches, loss_fn, times: list[float] | None) -> None:
+def _train_steps(dp: Synchroniser, batches, loss_fn, times: list[float] | None,
+                 ks: list[int] | None = None) -> None:
+    """Train on ``batches``; append each step's seconds to ``times`` and, with ``ks``, the COVAP
+    ratio K the step used (``stats()["covap_k"]``)."""
     for x, y in batches:
         t0 = time.perf_counter()
         dp.train_step(x, y, loss_fn)
         if times is not None:
             times.append(time.perf_counter() - t0)
+        if ks is not None:
+            ks.append(int(dp.stats()["covap_k"]))
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -81,8 +86,17 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                            bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed, batch_size=cfg.batch_size)
         dp = build(name, ctx, cfg.algorithm_options(name))
         if dp.needs_ccr:
-            chosen[name] = dp.calibrate(ccr.ccr)
+            chosen[name] = dp.calibrate(ccr_for(dp.wire_dtype).ccr)
         return dp
+
+    def ccr_for(dtype: torch.dtype | None):
+        """The CCR with the buckets sent in ``dtype`` (an algorithm that casts, e.g. COVAP's
+        ``cast``); measured once per dtype, collectively (every rank builds the same algorithms)."""
+        if dtype is None or dtype == torch.float32:
+            return ccr
+        if dtype not in ccr_by_dtype:
+            ccr_by_dtype[dtype] = measure_ccr(bucket_numels, compute0.backward_s, dtype=dtype)
+        return ccr_by_dtype[dtype]
 
     # Dense all-reduce CCR on this network: what "auto" settings are chosen from, and a report figure.
     chosen: dict[str, dict[str, Any]] = {}
@@ -91,7 +105,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     probe = build("allreduce", BuildContext(model=copy.deepcopy(model0), make_optimizer=make_optimizer,
                                             bucket_cap_mb=cfg.bucket_cap_mb))
     probe.warm_up(batches[:2], loss_fn)
-    ccr = measure_ccr(probe.bucket_numels(), compute0.backward_s)
+    bucket_numels = probe.bucket_numels()  # after DDP's bucket rebuild: the layout the hooks see
+    ccr = measure_ccr(bucket_numels, compute0.backward_s)
+    ccr_by_dtype: dict[torch.dtype, Any] = {}
     rs_ag_s = time_dense_rs_ag(sum(probe.bucket_numels()))
 
     # A compute profile recorded with all ranks computing at once: gradsync simulate's input for
@@ -103,7 +119,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
 
     records: dict[str, dict[str, list[float]]] = {
         a: {"iter_s": [], "wire_bytes": [], "payload_bytes": [], "dense_wire_bytes": [], "compress_s": [],
-            "rs_wait_s": [], "ag_wait_s": [], "coding_s": []}
+            "rs_wait_s": [], "ag_wait_s": [], "coding_s": [], "covap_k": []}
         for a in cfg.algorithms
     }
     compute_steps: list[float] = []
@@ -118,7 +134,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             _train_steps(dp, batches[2:2 + cfg.warmup], loss_fn, None)
             s0 = dp.stats()
             times: list[float] = []
-            _train_steps(dp, batches[2 + cfg.warmup:], loss_fn, times)
+            _train_steps(dp, batches[2 + cfg.warmup:], loss_fn, times,
+                         records[name]["covap_k"] if "covap_k" in s0 else None)
             dp.flush()
             s1 = dp.stats()
             rec = records[name]
@@ -167,6 +184,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             "ag_wait_s": statistics.median(rec["ag_wait_s"]),
             "coding_s": statistics.median(rec["coding_s"]),
             "iteration_samples_s": rec["iter_s"],
+            **({"covap_k": rec["covap_k"]} if rec["covap_k"] else {}),
             **({"time_to_accuracy": accuracy[name]} if name in accuracy else {}),
         })
     return {

@@ -30,16 +30,26 @@ class CCRMeasurement:
 
 
 def ddp_bucket_numels(ddp: DistributedDataParallel) -> list[int]:
-    """Numel of each DDP bucket (reduction order) after the bucket rebuild, from DDP's logging data
-    (bucket sizes in bytes, divided by the parameters' element size: 4 for float32, 2 for bf16/fp16);
-    falls back to the parameter total when DDP does not report it or the parameters mix dtypes."""
+    """Numel of each DDP bucket in reduction order, as the reducer holds them now (after DDP's
+    bucket rebuild at the first iterations, the layout a communication hook sees), read from the
+    reducer's buckets; if that private call is unavailable, from DDP's logging data
+    (``rebuilt_bucket_sizes`` when logged, else the construction-time ``bucket_sizes``; DDP logs at
+    sampled iterations only), in bytes divided by the parameters' element size (4 for float32, 2
+    for bf16/fp16); falls back to the parameter total when neither matches the parameters."""
     params = [p for p in ddp.module.parameters() if p.requires_grad]
     total = sum(p.numel() for p in params)
+    try:
+        numels = [b.buffer().numel() for b in ddp.reducer._get_zeros_like_grad_buckets()]
+    except (AttributeError, RuntimeError):
+        numels = []
+    if numels and sum(numels) == total:
+        return numels
     itemsizes = {p.element_size() for p in params}
     if len(itemsizes) != 1:
         return [total]
     itemsize = itemsizes.pop()
-    sizes = ddp._get_ddp_logging_data().get("bucket_sizes", "")
+    data = ddp._get_ddp_logging_data()
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")
     try:
         numels = [int(s) // itemsize for s in str(sizes).split(",") if s.strip()]
     except ValueError:

@@ -78,7 +78,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     dp.warm_up(warm, loss_fn)
     ccr = None
     if dp.needs_ccr:
-        ccr = measure_ccr(dp.bucket_numels(), compute.backward_s)
+        ccr = measure_ccr(dp.bucket_numels(), compute.backward_s, dtype=dp.wire_dtype or torch.float32)
         chosen = dp.calibrate(ccr.ccr)
         if rank == 0:
             picked = ", ".join(f"{k} = {v}" for k, v in chosen.items() if k != "ccr")
