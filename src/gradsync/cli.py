@@ -189,6 +189,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     add_arguments(p, BenchConfig)
     _add_network_arguments(p)
     p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
+    p.add_argument("--table", choices=["timing", "accuracy"], default="timing",
+                   help="timing: iteration-time breakdown per algorithm; accuracy: time to --to-accuracy, "
+                        "final accuracy, iteration time, scaling efficiency, bytes and speed-up (needs --to-accuracy)")
     _add_algorithm_options(p, defaults={"ratio": "auto"})
     p.set_defaults(func=_bench)
 
@@ -198,13 +201,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench.config import BenchConfig
     from .bench.launch import RankError, run_ranks
-    from .bench.report import print_table, write_outputs
+    from .bench.report import print_accuracy_table, print_table, write_outputs
     from .cluster import BandwidthSchedule
     from .options import values_from_args
 
     rates = _rates(args, args.hosts)
     cfg = BenchConfig(**values_from_args(BenchConfig, args), bandwidth_mbit=rates[0] if rates else None,
                       options=_algorithm_values(args))
+    if args.table == "accuracy" and cfg.to_accuracy is None:
+        raise ValueError("table 'accuracy' needs --to-accuracy (a target test accuracy, 0-1)")
     if rates is None:
         cluster, label = None, "loopback, NOT shaped (no --bandwidth)"
     else:
@@ -227,7 +232,7 @@ def _bench(args: argparse.Namespace) -> int:
     result["network"] = label
     if schedule is not None:
         result["bandwidth_changes"] = schedule.applied
-    print_table(result, label)
+    (print_accuracy_table if args.table == "accuracy" else print_table)(result, label)
     paths = write_outputs(result, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
