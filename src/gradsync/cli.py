@@ -45,40 +45,17 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("train", help="data-parallel training with a gradient-synchronisation algorithm")
     add_arguments(p, TrainConfig)
+    p.add_argument("--hosts", type=int, default=None,
+                   help="run the ranks on this many emulated hosts (network namespaces, needs root and "
+                        "--bandwidth); --workers then defaults to hosts and must be a multiple of it")
+    _add_network_arguments(p)
+    p.set_defaults(workers=None)  # None: not given (2 on loopback, --hosts on an emulated cluster)
     _add_algorithm_options(p)
     p.set_defaults(func=_train)
 
 
-def _train(args: argparse.Namespace) -> int:
-    from .options import values_from_args
-    from .report import print_summary, write_outputs
-    from .train.config import TrainConfig
-    from .train.launcher import launch
-    from .workloads import get_workload
-
-    cfg = TrainConfig(**values_from_args(TrainConfig, args),
-                      options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
-    try:  # fail before spawning workers when the data is absent
-        get_workload(cfg.workload).load(cfg.data_dir)
-    except FileNotFoundError as exc:
-        print(f"gradsync: error: {exc}", file=sys.stderr)
-        return 2
-    result = launch(cfg)
-    if result is None:
-        return 0
-    print_summary(result)
-    if cfg.out:
-        metrics, curves = write_outputs(result, cfg.out)
-        print(f"wrote {metrics} and {curves}")
-    return 0
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from .bench.config import BenchConfig
-    from .options import add_arguments
-
-    p = sub.add_parser("bench", help="several algorithms side by side on one (emulated) network")
-    add_arguments(p, BenchConfig)
+def _add_network_arguments(p: argparse.ArgumentParser) -> None:
+    """``--bandwidth``, ``--bandwidth-schedule``, ``--latency``, ``--burst``: the emulated cluster's links."""
     p.add_argument("--bandwidth", default=None,
                    help="link rate in Mbit/s, or one rate per host separated by commas; "
                         "omitted: loopback, not shaped")
@@ -90,7 +67,144 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                    help="tbf bucket size (tc syntax, e.g. 32kb); auto: max(16kb, 4 ms at each link's rate) "
                         "(gradsync.cluster.auto_burst), small enough that a burst does not hide the shaping "
                         "of small gradients")
+
+
+def _rates(args: argparse.Namespace, hosts: int) -> list[float] | None:
+    """The link rates of ``--bandwidth`` (None without it).
+
+    Raises:
+        ValueError: naming bandwidth for a malformed list or a count other than 1 or ``hosts``;
+            naming latency / bandwidth-schedule when given without ``--bandwidth``.
+    """
+    if args.bandwidth is None:
+        if args.latency is not None or args.bandwidth_schedule:
+            raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")
+        return None
+    try:
+        rates = [float(r) for r in str(args.bandwidth).split(",")]
+    except ValueError:
+        raise ValueError(f"bandwidth must be Mbit/s or comma-separated Mbit/s per host, got {args.bandwidth!r}") from None
+    if len(rates) not in (1, hosts):
+        raise ValueError(f"bandwidth must give one rate or {hosts} rates, got {len(rates)}")
+    return rates
+
+
+def _cluster(args: argparse.Namespace, hosts: int, rates: list[float]):
+    """An (unstarted) :class:`gradsync.cluster.EmulatedCluster` for ``--bandwidth`` and friends."""
+    from .cluster import EmulatedCluster
+
+    return EmulatedCluster(hosts, rates if len(rates) > 1 else rates[0], burst=args.burst,
+                           latency_ms=args.latency)
+
+
+def _train_network(args: argparse.Namespace) -> tuple[int, int | None, list[float] | None]:
+    """``(workers, hosts, rates)`` of a ``gradsync train`` command line; ``hosts`` is None on loopback.
+
+    Raises:
+        ValueError: naming hosts, workers, bandwidth, latency or bandwidth-schedule for a bad
+            combination (hosts without bandwidth, workers not a multiple of hosts, hosts under torchrun).
+    """
+    from .train.launcher import under_torchrun
+    from .validation import check_int
+
+    hosts = args.hosts
+    if hosts is None and args.bandwidth is not None:
+        hosts = args.workers if args.workers is not None else 2
+    if hosts is None:
+        _rates(args, 1)
+        return (2 if args.workers is None else args.workers), None, None
+    hosts = check_int("hosts", hosts, 1, 64)
+    if under_torchrun():
+        raise ValueError("hosts/bandwidth build an emulated cluster on this machine; under torchrun the "
+                         "network is the real one: drop --hosts and --bandwidth")
+    rates = _rates(args, hosts)
+    if rates is None:
+        raise ValueError("hosts needs --bandwidth (the emulated hosts' link rate in Mbit/s, e.g. 100)")
+    workers = hosts if args.workers is None else args.workers
+    if workers % hosts:
+        raise ValueError(f"workers must be a multiple of hosts ({hosts}) on an emulated cluster, got {workers}")
+    return workers, hosts, rates
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .options import values_from_args
+    from .report import print_summary, write_outputs
+    from .train.config import TrainConfig
+    from .train.launcher import launch, network_label
+    from .workloads import get_workload
+
+    workers, hosts, rates = _train_network(args)
+    values = dict(values_from_args(TrainConfig, args), workers=workers)
+    cfg = TrainConfig(**values, options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
+    try:  # fail before spawning workers when the data is absent
+        get_workload(cfg.workload).load(cfg.data_dir)
+    except FileNotFoundError as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+    if hosts is None:
+        label, changes = network_label(cfg), None
+        result = launch(cfg)
+    else:
+        result, label, changes = _train_on_cluster(args, cfg, hosts, rates)
+        if result is None:
+            return 2
+    if result is None:
+        return 0
+    result["network"] = result["summary"]["network"] = label
+    if changes is not None:
+        result["bandwidth_changes"] = changes
+    print_summary(result)
+    if cfg.out:
+        metrics, curves = write_outputs(result, cfg.out)
+        print(f"wrote {metrics} and {curves}")
+    return 0
+
+
+def _train_on_cluster(args: argparse.Namespace, cfg, hosts: int, rates: list[float]):
+    """Run ``cfg`` on an emulated cluster of ``hosts`` hosts (loopback, labelled NOT shaped, when this
+    process cannot build one); return ``(result, label, bandwidth changes or None)``, result None
+    (after one error line) when the cluster cannot be built as asked."""
+    from .cluster import BandwidthSchedule, ClusterError
+    from .train.launcher import launch_on_cluster
+
+    steps = BandwidthSchedule.parse(args.bandwidth_schedule) if args.bandwidth_schedule else None
+    cluster = _cluster(args, hosts, rates)
+    try:
+        cluster.start()
+    except ClusterError as exc:
+        print(f"gradsync train: error: cannot build the emulated cluster: {exc}", file=sys.stderr)
+        return None, None, None
+    try:
+        label = cluster.label
+        if not cluster.shaped:
+            print(f"gradsync train: cannot emulate {hosts} hosts ({cluster.reason}): running on {label}",
+                  flush=True)
+        else:
+            print(f"network: {label}", flush=True)
+        schedule = None
+        if steps is not None:
+            schedule = BandwidthSchedule(cluster, steps).start()
+        try:
+            result = launch_on_cluster(cfg, cluster)
+        finally:
+            if schedule is not None:
+                schedule.stop()
+        return result, label, (schedule.applied if schedule is not None else None)
+    finally:
+        cluster.close()
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench.config import BenchConfig
+    from .options import add_arguments
+
+    p = sub.add_parser("bench", help="several algorithms side by side on one (emulated) network")
+    add_arguments(p, BenchConfig)
+    _add_network_arguments(p)
     p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
+    p.add_argument("--table", choices=["timing", "accuracy"], default="timing",
+                   help="timing: iteration-time breakdown per algorithm; accuracy: time to --to-accuracy, "
+                        "final accuracy, iteration time, scaling efficiency, bytes and speed-up (needs --to-accuracy)")
     _add_algorithm_options(p, defaults={"ratio": "auto"})
     p.set_defaults(func=_bench)
 
@@ -100,24 +214,19 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench.config import BenchConfig
     from .bench.launch import RankError, run_ranks
-    from .bench.report import print_table, write_outputs
-    from .cluster import BandwidthSchedule, EmulatedCluster
+    from .bench.report import print_accuracy_table, print_table, write_outputs
+    from .cluster import BandwidthSchedule
     from .options import values_from_args
 
-    rates = None
-    if args.bandwidth is not None:
-        rates = [float(r) for r in str(args.bandwidth).split(",")]
-        if len(rates) not in (1, args.hosts):
-            raise ValueError(f"bandwidth must give one rate or {args.hosts} rates, got {len(rates)}")
+    rates = _rates(args, args.hosts)
     cfg = BenchConfig(**values_from_args(BenchConfig, args), bandwidth_mbit=rates[0] if rates else None,
                       options=_auto_adapt(_algorithm_values(args), list(args.algorithms)))
+    if args.table == "accuracy" and cfg.to_accuracy is None:
+        raise ValueError("table 'accuracy' needs --to-accuracy (a target test accuracy, 0-1)")
     if rates is None:
-        if args.latency is not None or args.bandwidth_schedule:
-            raise ValueError("latency and bandwidth-schedule need --bandwidth (an emulated cluster)")
         cluster, label = None, "loopback, NOT shaped (no --bandwidth)"
     else:
-        cluster = EmulatedCluster(args.hosts, rates if len(rates) > 1 else rates[0], burst=args.burst,
-                                  latency_ms=args.latency)
+        cluster = _cluster(args, args.hosts, rates)
     with cluster if cluster is not None else contextlib.nullcontext():
         if cluster is not None:
             label = cluster.label
@@ -136,7 +245,7 @@ def _bench(args: argparse.Namespace) -> int:
     result["network"] = label
     if schedule is not None:
         result["bandwidth_changes"] = schedule.applied
-    print_table(result, label)
+    (print_accuracy_table if args.table == "accuracy" else print_table)(result, label)
     paths = write_outputs(result, args.out)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -118,3 +118,72 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
     return paths
+
+
+def accuracy_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict per algorithm for the time-to-accuracy report (``gradsync bench --table accuracy``):
+    ``algorithm``, ``options`` (what ``auto`` chose, e.g. ``K=4``), ``seconds`` to the target test
+    accuracy (None when not reached), ``steps`` trained, ``final_accuracy`` (0-1, the last
+    evaluation), ``iteration_ms`` (median), ``scaling_efficiency`` (0-1), ``wire_bytes_per_iteration``
+    (per rank) and ``speedup``: all-reduce's time to the target over this algorithm's (None when
+    either did not reach it; the iteration-time speed-up is ``iteration_speedup``).
+
+    Raises:
+        ValueError: if the run has no time-to-accuracy data (``--to-accuracy`` not given).
+    """
+    rows = result["rows"]
+    if not any("time_to_accuracy" in r for r in rows):
+        raise ValueError("table 'accuracy' needs --to-accuracy (a target test accuracy, 0-1)")
+    tta = {r["algorithm"]: r.get("time_to_accuracy", {}) for r in rows}
+    base = tta.get("allreduce", tta[rows[0]["algorithm"]]).get("seconds")
+    out = []
+    for r in rows:
+        t = tta[r["algorithm"]]
+        opts = r.get("options", {})
+        shown = {"ratio": "K", "density": "density", "matrix_approximation_rank": "r"}
+        out.append({
+            "algorithm": r["algorithm"],
+            "options": ", ".join(f"{shown[k]}={opts[k]}" for k in shown if opts.get(k) is not None),
+            "seconds": t.get("seconds"),
+            "steps": t.get("steps"),
+            "final_accuracy": t["curve"][-1][1] if t.get("curve") else None,
+            "iteration_ms": r["iteration_s"]["median"] * 1e3,
+            "scaling_efficiency": r["scaling_efficiency"],
+            "wire_bytes_per_iteration": r["wire_bytes_per_iteration"],
+            "iteration_speedup": r["speedup_vs_allreduce"],
+            "speedup": (base / t["seconds"]) if base and t.get("seconds") else None,
+        })
+    return out
+
+
+def print_accuracy_table(result: dict[str, Any], label: str) -> None:
+    """Print the time-to-accuracy story as one table: per algorithm the time to the target test
+    accuracy (s), the accuracy at the last evaluation, median iteration time (ms), scaling
+    efficiency, wire bytes per rank per iteration and the speed-up in time to the target over all-reduce
+    (see :func:`accuracy_rows`).
+
+    Raises:
+        ValueError: if the run has no time-to-accuracy data.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = result["config"]
+    target = cfg["to_accuracy"] * 100
+    table = Table(title=f"gradsync bench: time to {target:.0f}% test accuracy, {result['world_size']} ranks, {label}",
+                  caption=(f"{cfg['workload']}, batch {cfg['batch_size']} per rank, lr {cfg['lr']:g}; test accuracy "
+                           f"on 2,000 test samples every {cfg['eval_every']} steps (evaluation time excluded); "
+                           f"dense all-reduce CCR {result['dense_ccr']:.2f}; iteration times: medians of "
+                           f"{cfg['rounds']} x {cfg['steps']} interleaved steps"))
+    for col in ("algorithm", f"time to {target:.0f}% (s)", "final accuracy", "iteration ms", "scaling eff.",
+                "wire/iter", "speed-up"):
+        table.add_column(col, justify="left" if col == "algorithm" else "right")
+    for r in accuracy_rows(result):
+        name = r["algorithm"] + (f" ({r['options']})" if r["options"] else "")
+        table.add_row(name,
+                      "not reached" if r["seconds"] is None else f"{r['seconds']:.1f} ({r['steps']} steps)",
+                      "-" if r["final_accuracy"] is None else f"{r['final_accuracy'] * 100:.1f}%",
+                      f"{r['iteration_ms']:.1f}", f"{r['scaling_efficiency'] * 100:.0f}%",
+                      fmt_bytes(r["wire_bytes_per_iteration"]),
+                      "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+    Console(width=max(Console().width, 130)).print(table)

@@ -20,6 +20,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("algorithm", s["algorithm"] + (f" (K={s['ratio']})" if "ratio" in s else "")),
         ("world size", str(s["world_size"])),
+        *([("network", s["network"])] if "network" in s else []),
         ("epochs", f"{s['epochs']} ({s['steps']} steps)"),
         ("final test accuracy", f"{s['test_accuracy'] * 100:.2f}%"),
         ("samples/s", f"{s['samples_per_s']:.1f}"),

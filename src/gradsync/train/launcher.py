@@ -121,3 +121,52 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
             return ranks.join()[0]
         except RankFailure as exc:
             raise TrainingFailed(exc, cfg.checkpoint) from None
+
+
+def network_label(cfg: TrainConfig) -> str:
+    """How a run without an emulated cluster communicates, for the summary and ``metrics.json``."""
+    if under_torchrun():
+        return f"torchrun (MASTER_ADDR {os.environ['MASTER_ADDR']}), the real network, not emulated"
+    return "loopback, NOT shaped (no --hosts/--bandwidth)"
+
+
+def launch_on_cluster(cfg: TrainConfig, cluster: Any, deadline_s: float | None = None) -> dict[str, Any]:
+    """Run training as ``cfg.workers`` command ranks (``python -m gradsync.train.worker``) on the
+    hosts of ``cluster`` (a started :class:`gradsync.cluster.EmulatedCluster`); return rank 0's results.
+
+    Ranks are spread evenly: rank ``r`` runs inside host ``r // (workers / hosts)`` (``ip netns
+    exec``), with ``GLOO_SOCKET_IFNAME`` set to that host's interface, ``LOCAL_RANK`` = its index on
+    the host, and rendezvous at host 0's bridge address. An unshaped cluster (not root: its ``label``
+    says "NOT shaped") runs the same commands on 127.0.0.1. Rank 0's stdout is shown; every rank's
+    stderr (and the other ranks' stdout) go to logs whose tail is reported when a rank fails.
+
+    Raises:
+        ValueError: if ``cfg.workers`` is not a multiple of ``cluster.hosts``.
+        TrainingFailed: when a rank fails (exception, exit code or signal) or the run exceeds
+            ``deadline_s``; the other ranks are stopped first.
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    if cfg.workers % cluster.hosts:
+        raise ValueError(f"workers must be a multiple of hosts ({cluster.hosts}), got {cfg.workers}")
+    per_host = cfg.workers // cluster.hosts
+
+    def popen(rank: int, argv: Sequence[str], env: dict[str, str], **kwargs: Any):
+        env = dict(env, LOCAL_RANK=str(rank % per_host), LOCAL_WORLD_SIZE=str(per_host))
+        return cluster.popen(rank // per_host, argv, env=env, **kwargs)
+
+    with tempfile.TemporaryDirectory(prefix="gradsync-train-") as tmp:
+        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        cfg_path.write_text(json.dumps(cfg.to_dict()))
+        with LocalRanks(cfg.workers, master_addr=cluster.address(0),
+                        socket_ifname=lambda r: cluster.ifname(r // per_host)) as ranks:
+            ranks.start_command(lambda r: [sys.executable, "-m", "gradsync.train.worker", str(cfg_path),
+                                           str(out_path)],
+                                popen=popen, output=lambda r: (None if r == 0 else ranks.log(r), ranks.log(r)))
+            try:
+                ranks.join(timeout=deadline_s)
+            except RankFailure as exc:
+                raise TrainingFailed(exc, cfg.checkpoint) from None
+        return json.loads(out_path.read_text())

@@ -1,0 +1,312 @@
+"""Regenerate every results table of the README from scratch: one named experiment per table.
+
+Usage:
+    PYTHONPATH=src python benchmarks/reproduce.py --list
+    PYTHONPATH=src python benchmarks/reproduce.py [--only NAME[,NAME...]] [--out results] [--dry-run] [--quick]
+    make reproduce            # every experiment, into results/
+
+Each experiment runs its commands (``gradsync train`` / ``gradsync bench`` / a script in
+``benchmarks/``) with ``--out`` under ``OUT/NAME/``, so the raw JSON (``metrics.json`` per training
+run, ``bench.json`` per benchmark, the scripts' own JSON) lies next to the generated markdown table
+``OUT/NAME/NAME.md``; ``OUT/NAME/commands.txt`` lists the exact commands. Every figure in the README's
+results section traces to one experiment here (its README heading is in ``--list``).
+
+``--dry-run`` prints the commands without running them. ``--quick`` shrinks every run to a few steps
+(a smoke test of the pipeline, used by the test suite; its numbers mean nothing). Experiments marked
+"root" build an emulated cluster (network namespaces + tc); without root ``gradsync bench`` falls back
+to loopback and the table is labelled "NOT shaped". Timings depend on the machine and its load: the
+README's were taken on a shared 2-core machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+GRADSYNC = [sys.executable, "-m", "gradsync"]
+QUICK_TRAIN = ["--max-steps", "3", "--train-samples", "512", "--no-progress"]
+QUICK_BENCH = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--eval-every", "5", "--max-accuracy-steps", "10"]
+
+
+@dataclass
+class Run:
+    """One command of an experiment: ``kind`` is ``train``, ``bench`` or ``script``; ``argv`` its
+    arguments (after ``gradsync train``/``gradsync bench``, or the script path and its arguments);
+    ``name`` the row label and output sub-directory."""
+
+    name: str
+    kind: str
+    argv: list[str]
+    quick: list[str] | None = None  # arguments appended in --quick mode (None: the kind's default)
+
+
+@dataclass
+class Experiment:
+    name: str
+    readme: str  # the README paragraph or table it regenerates
+    runs: list[Run]
+    table: Callable[[Path, list[Run]], str]
+    root: bool = False
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------- tables
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} GB"
+
+
+def _md(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def train_table(out: Path, runs: list[Run]) -> str:
+    """One row per training run: test accuracy (bits per character for the KJV workloads), steps,
+    wire bytes per rank per iteration, compression ratio (wire), mean iteration time, network."""
+    rows = []
+    for run in runs:
+        s = json.loads((out / run.name / "metrics.json").read_text())["summary"]
+        metric = (f"{s['bits_per_char']:.3f} bits/char" if "bits_per_char" in s
+                  else f"{s['test_accuracy'] * 100:.2f} %")
+        algo = s["algorithm"] + (f" (K={s['ratio']})" if "ratio" in s else "")
+        rows.append([run.name, algo, metric, str(s["steps"]), _fmt_bytes(s["wire_bytes_per_iteration"]),
+                     f"{s['compression_ratio']:.2f}x", f"{s['mean_iteration_s'] * 1e3:.1f}",
+                     s.get("network", "")])
+    return _md(["run", "algorithm", "test metric", "steps", "wire/iter", "compression", "iteration ms",
+                "network"], rows)
+
+
+def bench_table(out: Path, runs: list[Run]) -> str:
+    """The ``gradsync bench`` table of each bench run (and the time-to-accuracy table when measured)."""
+    parts = []
+    for run in runs:
+        res = json.loads((out / run.name / "bench.json").read_text())
+        parts.append(f"**{run.name}**: {res.get('network', '')}, {res['world_size']} ranks, dense all-reduce "
+                     f"CCR {res['dense_ccr']:.2f}\n")
+        rows = []
+        for r in res["rows"]:
+            opts = r.get("options", {})
+            name = r["algorithm"] + (f" (K={opts['ratio']})" if opts.get("ratio") is not None else "")
+            rows.append([name, f"{r['iteration_s']['median'] * 1e3:.1f}", f"{r['speedup_vs_allreduce']:.2f}x",
+                         f"{r['scaling_efficiency'] * 100:.0f} %", f"{r['exposed_comm_s'] * 1e3:.1f}",
+                         _fmt_bytes(r["wire_bytes_per_iteration"]), f"{r['compression_ratio']:.2f}x",
+                         _fmt_bytes(r["payload_bytes_per_iteration"])])
+        parts.append(_md(["algorithm", "median ms", "speedup", "scaling eff.", "exposed comm ms", "wire/iter",
+                          "ratio", "payload/iter"], rows))
+        if any("time_to_accuracy" in r for r in res["rows"]):
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+            from gradsync.bench.report import accuracy_rows
+
+            target = res["config"]["to_accuracy"] * 100
+            rows = [[r["algorithm"] + (f" ({r['options']})" if r["options"] else ""),
+                     "not reached" if r["seconds"] is None else f"{r['seconds']:.1f}",
+                     "-" if r["final_accuracy"] is None else f"{r['final_accuracy'] * 100:.1f} %",
+                     f"{r['iteration_ms']:.1f}", f"{r['scaling_efficiency'] * 100:.0f} %",
+                     _fmt_bytes(r["wire_bytes_per_iteration"]), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"]
+                    for r in accuracy_rows(res)]
+            parts.append("\n" + _md(["algorithm", f"time to {target:.0f} % (s)", "final accuracy", "iteration ms",
+                                     "scaling eff.", "wire/iter", "speed-up"], rows))
+    return "\n".join(parts)
+
+
+def script_table(out: Path, runs: list[Run]) -> str:
+    """A script's own report: its markdown output when it writes one, else its stdout."""
+    parts = []
+    for run in runs:
+        d = out / run.name
+        mds = sorted(d.glob("*.md"))
+        body = "\n".join(p.read_text() for p in mds) if mds else "```\n" + (d / "stdout.txt").read_text() + "```\n"
+        parts.append(f"**{run.name}**\n\n{body}")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------- experiments
+DEMO = ["--hosts", "2", "--bandwidth", "10", "--algorithms", "allreduce,fp16,covap", "--ratio", "auto", "--steps", "10",
+        "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80", "--eval-every", "25", "--max-accuracy-steps", "400",
+        "--table", "accuracy"]  # the Makefile's DEMO_ARGS
+
+EXPERIMENTS = [
+    Experiment("demo", "`make demo`: time to accuracy on 2 emulated hosts", [Run("bench", "bench", DEMO)],
+               bench_table, root=True),
+    Experiment("train-default", "Results: `gradsync train` (the default job)", [
+        Run("allreduce", "train", ["--algorithm", "allreduce"]),
+        Run("covap-auto", "train", ["--algorithm", "covap", "--ratio", "auto"]),
+        Run("covap-4", "train", ["--algorithm", "covap", "--ratio", "4"]),
+    ], train_table),
+    Experiment("bench-4hosts-25", "Results: `gradsync bench --hosts 4 --bandwidth 25 ...` table", [
+        Run("bench", "bench", ["--hosts", "4", "--bandwidth", "25", "--algorithms", "allreduce,fp16,powersgd,covap",
+                               "--steps", "20", "--rounds", "3"]),
+    ], bench_table, root=True),
+    Experiment("dear", "Results: DeAR (bitwise-identical losses; 4 hosts at 25 Mbit/s)", [
+        Run("allreduce", "train", ["--algorithm", "allreduce", "--max-steps", "100"]),
+        Run("dear", "train", ["--algorithm", "dear", "--max-steps", "100"]),
+        Run("bench", "bench", ["--hosts", "4", "--bandwidth", "25", "--algorithms", "allreduce,dear,covap,dear-covap",
+                               "--fusion-mb", "0.1"]),
+    ], lambda out, runs: train_table(out, runs[:2]) + "\n" + _dear_identical(out) + "\n" + bench_table(out, runs[2:]),
+        root=True),
+    Experiment("simulator", "Results: simulator validation", [
+        Run("validate", "script", ["benchmarks/validate_simulator.py", "--hosts", "4", "--bandwidths", "10,25,50"],
+            quick=["--bandwidths", "25", "--steps", "2", "--rounds", "1", "--algorithms", "allreduce,covap"]),
+    ], script_table, root=True),
+    Experiment("gravac", "Results: GraVAC table (--epochs 2)", [
+        Run("allreduce", "train", ["--algorithm", "allreduce", "--epochs", "2"]),
+        Run("topk-0.1", "train", ["--algorithm", "topk", "--density", "0.1", "--epochs", "2"]),
+        Run("topk-0.01", "train", ["--algorithm", "topk", "--density", "0.01", "--epochs", "2"]),
+        Run("topk-0.001", "train", ["--algorithm", "topk", "--density", "0.001", "--epochs", "2"]),
+        Run("gravac", "train", ["--algorithm", "gravac", "--epochs", "2"]),
+    ], train_table),
+    Experiment("kjv-lstm", "Results: kjv-lstm, 1 epoch (bits per character)", [
+        Run("allreduce", "train", ["--workload", "kjv-lstm", "--algorithm", "allreduce", "--epochs", "1"]),
+        Run("topk-0.1", "train", ["--workload", "kjv-lstm", "--algorithm", "topk", "--density", "0.1", "--epochs", "1"]),
+        Run("topk-0.01", "train", ["--workload", "kjv-lstm", "--algorithm", "topk", "--density", "0.01", "--epochs", "1"]),
+        Run("gravac", "train", ["--workload", "kjv-lstm", "--algorithm", "gravac", "--epochs", "1"]),
+        Run("gravac-floor-0.9", "train", ["--workload", "kjv-lstm", "--algorithm", "gravac", "--gain-floor", "0.9",
+                                          "--epochs", "1"]),
+    ], train_table),
+    Experiment("oscar", "Results: OSCAR (--epochs 2; 4 hosts at 25 Mbit/s)", [
+        Run("oscar-sw", "train", ["--algorithm", "oscar-sw", "--epochs", "2"]),
+        Run("oscar-asc", "train", ["--algorithm", "oscar-asc", "--epochs", "2"]),
+        Run("countsketch", "train", ["--algorithm", "countsketch", "--epochs", "2"]),
+        Run("bench", "bench", ["--hosts", "4", "--bandwidth", "25", "--algorithms", "allreduce,oscar-sw,oscar-asc"]),
+    ], lambda out, runs: train_table(out, runs[:3]) + "\n" + bench_table(out, runs[3:]), root=True),
+    Experiment("asc-coding", "Results: ASC coded bytes (benchmarks/asc_coding.py 4 31 12)", [
+        Run("asc_coding", "script", ["benchmarks/asc_coding.py", "4", "31", "12"], quick=[]),
+    ], script_table),
+    Experiment("asc-coding-time", "Results: OSCAR coding cost (benchmarks/asc_coding_time.py)", [
+        Run("asc_coding_time", "script", ["benchmarks/asc_coding_time.py", "--json", "{out}/asc_coding_time.json"],
+            quick=["--reps", "2", "--numel", "20000"]),
+    ], script_table),
+    Experiment("crossover", "Results: crossover rates (benchmarks/crossover.py)", [
+        Run("crossover", "script", ["benchmarks/crossover.py", "--bandwidths", "10,25,50,100,250,1000", "--algorithms",
+                                    "allreduce,oscar-sw,oscar-asc,topk,covap", "--hosts", "2", "--steps", "20",
+                                    "--warmup", "5", "--rounds", "3", "--out", "{out}"],
+            quick=["--bandwidths", "25", "--algorithms", "allreduce,covap", "--steps", "2", "--warmup", "1",
+                   "--rounds", "1"]),
+    ], script_table, root=True),
+]
+
+
+def _dear_identical(out: Path) -> str:
+    a = [i["loss"] for i in json.loads((out / "allreduce" / "metrics.json").read_text())["iterations"]]
+    d = [i["loss"] for i in json.loads((out / "dear" / "metrics.json").read_text())["iterations"]]
+    same = sum(x == y for x, y in zip(a, d))
+    return f"allreduce and dear training losses: {same} of {min(len(a), len(d))} steps bitwise identical\n"
+
+
+def commands(exp: Experiment, out: Path, quick: bool) -> list[tuple[Run, list[str]]]:
+    """The argv of every run of ``exp`` writing under ``out / exp.name``."""
+    base = out / exp.name
+    cmds = []
+    for run in exp.runs:
+        d = base / run.name
+        if run.kind == "train":
+            argv = GRADSYNC + ["train", *run.argv, "--out", str(d)]
+            if quick:
+                argv += [a for a in QUICK_TRAIN if a != "--no-progress"] + ["--no-progress"]
+                argv = _drop(argv, ["--epochs"]) + ["--epochs", "1"]
+        elif run.kind == "bench":
+            argv = GRADSYNC + ["bench", *run.argv, "--out", str(d)]
+            if quick:
+                argv += QUICK_BENCH
+        else:
+            argv = [sys.executable, *[a.replace("{out}", str(d)) for a in run.argv]]
+            if quick and run.quick is not None:
+                argv += run.quick
+        cmds.append((run, argv))
+    return cmds
+
+
+def _drop(argv: list[str], flags: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def _display(argv: list[str]) -> str:
+    """``gradsync ...`` / ``python benchmarks/...`` as a user types it."""
+    if argv[:len(GRADSYNC)] == GRADSYNC:
+        return shlex.join(["gradsync", *argv[len(GRADSYNC):]])
+    return shlex.join(["python", *argv[1:]])
+
+
+def run_experiment(exp: Experiment, out: Path, quick: bool = False, dry_run: bool = False) -> Path | None:
+    """Run ``exp``'s commands and write ``OUT/NAME/NAME.md``; return its path (None for a dry run).
+
+    Raises:
+        subprocess.CalledProcessError: when a command fails (its output is on the terminal).
+    """
+    cmds = commands(exp, out, quick)
+    if dry_run:
+        for _, argv in cmds:
+            print(_display(argv))
+        return None
+    base = out / exp.name
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "commands.txt").write_text("\n".join(shlex.join(a) for _, a in cmds) + "\n")
+    for run, argv in cmds:
+        d = base / run.name
+        d.mkdir(parents=True, exist_ok=True)
+        print(f"[{exp.name}/{run.name}] {shlex.join(argv)}", flush=True)
+        t0 = time.monotonic()
+        if run.kind == "script":
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True)
+            (d / "stdout.txt").write_text(proc.stdout)
+            sys.stdout.write(proc.stdout[-4000:])
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, argv)
+        else:
+            subprocess.run(argv, check=True)
+        print(f"[{exp.name}/{run.name}] {time.monotonic() - t0:.0f} s", flush=True)
+    md = base / f"{exp.name}.md"
+    text = (f"### {exp.readme}\n\n" + ("*(--quick smoke run: these numbers mean nothing)*\n\n" if quick else "")
+            + exp.table(base, exp.runs) + "\nCommands:\n" + "".join(f"`{_display(a)}`\n" for _, a in cmds))
+    md.write_text(text)
+    print(text)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="list the experiments and the README text each regenerates")
+    ap.add_argument("--only", default=None, help="comma-separated experiment names (default: all)")
+    ap.add_argument("--out", default="results", help="directory for the tables and raw JSON")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    ap.add_argument("--quick", action="store_true", help="a few steps per run: a smoke test, not results")
+    args = ap.parse_args(argv)
+    by_name = {e.name: e for e in EXPERIMENTS}
+    if args.list:
+        for e in EXPERIMENTS:
+            print(f"{e.name:16s} {'root ' if e.root else '     '}{e.readme}")
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(by_name)
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        ap.error(f"only must name experiments among {', '.join(by_name)}; got {', '.join(unknown)}")
+    for n in names:
+        run_experiment(by_name[n], Path(args.out), quick=args.quick, dry_run=args.dry_run)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
