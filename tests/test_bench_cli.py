@@ -39,6 +39,8 @@ def test_bench_smoke_reports_every_field(tmp_path):
     assert rows["allreduce"]["speedup_vs_allreduce"] == 1.0
     assert rows["covap"]["bytes_per_iteration"] < 0.75 * rows["allreduce"]["bytes_per_iteration"]
     assert (tmp_path / "breakdown.png").stat().st_size > 5000
+    assert rows["covap"]["covap_k"] == [2] * 6 and "covap_k" not in rows["allreduce"]  # K per timed step
+    assert (tmp_path / "ratio.png").stat().st_size > 5000
     for r in rows.values():
         tta = r["time_to_accuracy"]
         assert tta["curve"] and tta["steps"] <= 60
