@@ -41,6 +41,8 @@ def test_bench_smoke_reports_every_field(tmp_path):
     assert rows["allreduce"]["compression_ratio"] == pytest.approx(1.0)
     assert rows["covap"]["compression_ratio"] > 1.3
     assert (tmp_path / "breakdown.png").stat().st_size > 5000
+    assert rows["covap"]["covap_k"] == [2] * 6 and "covap_k" not in rows["allreduce"]  # K per timed step
+    assert (tmp_path / "ratio.png").stat().st_size > 5000
     for r in rows.values():
         tta = r["time_to_accuracy"]
         assert tta["curve"] and tta["steps"] <= 60

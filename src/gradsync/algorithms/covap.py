@@ -223,6 +223,13 @@ class CovapState(HookState):
         ValueError: for arguments outside the ranges above (``cast`` not one of fp16, bf16, None).
     """
 
+    # defaults for states pickled before these options existed
+    adapter: Optional[RatioAdapter] = None
+    timer: Any = None
+    cast: Optional[str] = None
+    cast_dtype: Optional[torch.dtype] = None
+    _boundary_iter = -1
+
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
                  model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = 0,

@@ -24,7 +24,6 @@ communication behind the backward pass. Here the hook times what it already does
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -228,9 +227,6 @@ class RatioAdapter:
         if ccr >= 0:  # a window in which no step sent (K above the number of shards) carries on
             self.window.clear()
         new = self.decide(ratio, ccr)
-        if os.environ.get("GRADSYNC_DEBUG_ADAPT") and dist.get_rank(group) == 0:  # TEMP diagnosis
-            print(f"adapt: K {ratio} ccr {ccr:.3f} exposed {exposed*1e3:.1f} ms comm {comm*1e3:.1f} ms "
-                  f"backward {back*1e3:.1f} ms -> {new}", flush=True)
         self.last = {"ccr": ccr, "exposed_s": exposed, "comm_s": comm, "backward_s": back}
         if new != ratio:
             self.changes += 1
