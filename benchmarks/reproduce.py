@@ -134,7 +134,7 @@ def script_table(out: Path, runs: list[Run]) -> str:
 
 
 # ------------------------------------------------------------------------------------- experiments
-DEMO = ["--hosts", "2", "--bandwidth", "10", "--algorithms", "allreduce,fp16,covap", "--ratio", "auto", "--steps", "10",
+DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms", "allreduce,fp16,covap", "--ratio", "auto", "--lr", "0.05", "--steps", "10",
         "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80", "--eval-every", "25", "--max-accuracy-steps", "400",
         "--table", "accuracy"]  # the Makefile's DEMO_ARGS
 

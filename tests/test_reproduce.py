@@ -29,7 +29,7 @@ def test_list_names_every_experiment(capsys):
 def test_dry_run_prints_commands_writing_under_out(capsys, tmp_path):
     assert reproduce.main(["--dry-run", "--only", "demo,gravac", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("gradsync bench --hosts 2 --bandwidth 10 ") and "--table accuracy" in lines[0]
+    assert lines[0].startswith("gradsync bench --hosts 2 --bandwidth 5 ") and "--table accuracy" in lines[0]
     assert lines[0].endswith(f"--out {tmp_path}/demo/bench")
     assert len(lines) == 1 + 5 and all(line.startswith("gradsync train ") for line in lines[1:])
     assert not any(tmp_path.iterdir()), "a dry run writes nothing"

@@ -176,6 +176,8 @@ def _train_on_cluster(args: argparse.Namespace, cfg, hosts: int, rates: list[flo
         return None, None, None
     try:
         label = cluster.label
+        if steps is not None and cluster.shaped:
+            label += ", then " + ", ".join(f"{r:g} Mbit/s at {t:g} s" for t, r in steps)
         if not cluster.shaped:
             print(f"gradsync train: cannot emulate {hosts} hosts ({cluster.reason}): running on {label}",
                   flush=True)
