@@ -220,7 +220,7 @@ def _communicate_all(rank, world_size):
         x = _rank_vector(rank)
         payload, ctx = c.compress(x, step=3, key=0, rank=rank)
         sizes = []
-        got = communicate(c, payload, ctx, counter=lambda *t: sizes.append(sum(a.numel() for a in t))).wait()
+        got = communicate(c, payload, ctx, counter=lambda *t, kind=None: sizes.append(sum(a.numel() for a in t))).wait()
         out[name] = (got, c.decompress(payload, ctx), ctx.selected, sizes)
     # raw all-gather of mixed-dtype payloads with unequal sizes
     k = rank + 1

@@ -190,7 +190,7 @@ class RatioAdapter:
         n = max(len(self.window), 1)
         return torch.tensor([ccr, sum(w.exposed_s for w in self.window) / n,
                              sum(w.comm_s for w in self.window) / n,
-                             sum(w.backward_s for w in self.window) / n], dtype=torch.float64)
+                             sum(w.backward_s for w in self.window) / n], dtype=torch.float64, device="cpu")
 
     def decide(self, ratio: int, ccr: float) -> int:
         """The K to use given the current ``ratio`` and the (all-reduced) CCR estimate ``ccr``:
@@ -218,8 +218,8 @@ class RatioAdapter:
         take the MAX.)"""
         local = self.estimate()
         no_info = not local[0] >= 0
-        est = torch.stack([torch.tensor(float("-inf"), dtype=torch.float64) if no_info else -local[0], -local[2],
-                           local[1], local[3]]).to(device)
+        est = torch.tensor([float("-inf") if no_info else -float(local[0]), -float(local[2]), float(local[1]),
+                            float(local[3])], dtype=torch.float64, device=device)
         dist.all_reduce(est, op=dist.ReduceOp.MAX, group=group)
         neg_ccr, neg_comm, exposed, back = (float(v) for v in est.cpu())
         ccr = -neg_ccr if neg_ccr != float("-inf") else -1.0
