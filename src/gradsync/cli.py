@@ -34,7 +34,8 @@ def _auto_adapt(options: dict, algorithms: list[str]) -> dict:
     from .algorithms.covap import AUTO_ADAPT_EVERY
 
     if (options.get("ratio") == "auto" and "adapt_every" not in options
-            and any(a in REGISTRY and "adapt_every" in REGISTRY[a].options.keys() for a in algorithms)):
+            and any(n in REGISTRY and "adapt_every" in REGISTRY[n].options.keys()
+                    for n in (a.split(":")[0] for a in algorithms))):
         options = {**options, "adapt_every": AUTO_ADAPT_EVERY}
     return options
 

@@ -3,12 +3,13 @@ command-line flags are generated."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..algorithms import REGISTRY, make_options
-from ..options import option
+from ..options import AUTO, field_specs, option
 from ..train.config import SharedConfig
 from ..workloads import get_workload
 
@@ -17,10 +18,19 @@ from ..workloads import get_workload
 class BenchConfig(SharedConfig):
     """Raises ValueError on construction naming the field and the allowed range. ``options`` holds
     algorithm options; each algorithm takes the ones it accepts, and a key no registered algorithm
-    accepts is an error."""
+    accepts is an error. An entry of ``algorithms`` is an algorithm name, optionally with its own
+    options (``NAME:KEY=VALUE[:KEY=VALUE...]``, e.g. ``powersgd:matrix_approximation_rank=4`` or
+    ``covap:ratio=2:cast=fp16``), which override ``options`` for that entry; the same algorithm may
+    appear in several entries with different options (see :func:`parse_entry`)."""
 
-    algorithms: list[str] = option(None, "comma-separated algorithm names", flag="--algorithms",
+    algorithms: list[str] = option(None, "comma-separated entries NAME or NAME:KEY=VALUE[:KEY=VALUE...] "
+                                   "(per-entry algorithm options, e.g. powersgd:matrix_approximation_rank=1,"
+                                   "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16)",
+                                   flag="--algorithms",
                                    default_factory=lambda: ["allreduce", "fp16", "powersgd", "covap"])
+    seeds: list[int] = option(None, "seeds of the --to-accuracy runs (each algorithm trains once per seed from "
+                         "that seed's model and data order; the report gives the median and the spread); "
+                         "default: --seed", flag="--seeds", default_factory=list)
     hosts: int = option(2, "emulated hosts, one rank each", low=1, high=64)
     bandwidth_mbit: Optional[float] = option(None, "link rate (None: loopback, not shaped)", low=0.1,
                                              high=100_000.0, units="Mbit/s", cli=False)
@@ -44,11 +54,22 @@ class BenchConfig(SharedConfig):
             self.lr = get_workload(self.workload, self.model).defaults["lr"]
         if not self.algorithms:
             raise ValueError("algorithms must name at least one algorithm")
+        self.algorithms = [a.strip() for a in self.algorithms]
         for a in self.algorithms:
-            if a not in REGISTRY:
-                raise ValueError(f"algorithms must be among {', '.join(sorted(REGISTRY))}; got {a!r}")
+            parse_entry(a)
         if len(set(self.algorithms)) != len(self.algorithms):
-            raise ValueError(f"algorithms must not repeat a name, got {self.algorithms}")
+            raise ValueError(f"algorithms must not repeat an entry, got {self.algorithms}")
+        seeds = []
+        for s in self.seeds:
+            try:
+                seeds.append(int(s))
+            except (TypeError, ValueError):
+                raise ValueError(f"seeds must be integers in [0, 2**63 - 1], got {s!r}") from None
+            if not 0 <= seeds[-1] < 2**63:
+                raise ValueError(f"seeds must be integers in [0, 2**63 - 1], got {s!r}")
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds must not repeat, got {seeds}")
+        self.seeds = seeds
         accepted = {k for spec in REGISTRY.values() for k in spec.options.keys()}
         unknown = sorted(set(self.options) - accepted)
         if unknown:
@@ -56,10 +77,20 @@ class BenchConfig(SharedConfig):
         for a in self.algorithms:
             self.algorithm_options(a)
 
-    def algorithm_options(self, name: str) -> Any:
-        """The options dataclass of algorithm ``name``: the entries of ``options`` it accepts."""
+    def algorithm_options(self, entry: str) -> Any:
+        """The options dataclass of entry ``entry`` (an algorithm name, or ``NAME:KEY=VALUE...``): the
+        items of ``options`` its algorithm accepts, overridden by the entry's own. An entry that fixes
+        its own ``ratio`` keeps K fixed (``adapt_every`` 0) unless it sets ``adapt_every`` too."""
+        name, own = parse_entry(entry)
         keys = REGISTRY[name].options.keys()
-        return make_options(name, {k: v for k, v in self.options.items() if k in keys})
+        merged = {**{k: v for k, v in self.options.items() if k in keys}, **own}
+        if own.get("ratio", AUTO) != AUTO and "adapt_every" in keys and "adapt_every" not in own:
+            merged["adapt_every"] = 0
+        return make_options(name, merged)
+
+    def accuracy_seeds(self) -> list[int]:
+        """The seeds of the time-to-accuracy runs: ``seeds``, or ``[seed]`` when none were given."""
+        return list(self.seeds) or [self.seed]
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
@@ -67,3 +98,42 @@ class BenchConfig(SharedConfig):
     @classmethod
     def from_json(cls, text: str) -> "BenchConfig":
         return cls(**json.loads(text))
+
+
+def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
+    """Split a ``--algorithms`` entry ``NAME[:KEY=VALUE[:KEY=VALUE...]]`` into the algorithm name and
+    its options, each value converted to the option's type (``"auto"`` where the option takes it).
+
+    Raises:
+        ValueError: naming the entry, for an unknown algorithm (listing the registered ones), an item
+            without ``=``, a key the algorithm does not take (listing those it takes), a repeated key
+            or a value outside the option's allowed range.
+    """
+    name, *items = entry.split(":")
+    if name not in REGISTRY:
+        raise ValueError(f"algorithms must be among {', '.join(sorted(REGISTRY))}; got {name!r} in {entry!r}")
+    specs = {f.name: f for f in field_specs(REGISTRY[name].options)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ValueError(f"algorithms entry {entry!r}: {item!r} must be KEY=VALUE")
+        if key not in specs:
+            raise ValueError(f"algorithms entry {entry!r}: {name} takes "
+                             f"{', '.join(sorted(specs)) or 'no options'}; got {key!r}")
+        if key in out:
+            raise ValueError(f"algorithms entry {entry!r} repeats {key!r}")
+        out[key] = _parse_value(specs[key], text.strip(), entry)
+    return name, out
+
+
+def _parse_value(spec: Any, text: str, entry: str) -> Any:
+    if spec.base is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"algorithms entry {entry!r}: {spec.name} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return spec.parse(text)
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"algorithms entry {entry!r}: {spec.name} must be {spec.allowed()}, got {text!r}") from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +141,17 @@ def accuracy_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for r in rows:
         t = tta[r["algorithm"]]
         opts = r.get("options", {})
-        shown = {"ratio": "K", "density": "density", "matrix_approximation_rank": "r"}
+        shown = {"ratio": "K", "cast": "cast", "density": "density", "matrix_approximation_rank": "r"}
         out.append({
             "algorithm": r["algorithm"],
             "options": ", ".join(f"{shown[k]}={opts[k]}" for k in shown if opts.get(k) is not None),
             "seconds": t.get("seconds"),
             "steps": t.get("steps"),
-            "final_accuracy": t["curve"][-1][1] if t.get("curve") else None,
+            "final_accuracy": (statistics.median(t["final_accuracy_by_seed"]) if t.get("final_accuracy_by_seed")
+                               else t["curve"][-1][1] if t.get("curve") else None),
+            "seeds": len(t.get("seconds_by_seed", [t.get("seconds")])),
+            "reached": sum(x is not None for x in t.get("seconds_by_seed", [t.get("seconds")])),
+            "seconds_range": _range(t.get("seconds_by_seed", [t.get("seconds")])),
             "iteration_ms": r["iteration_s"]["median"] * 1e3,
             "scaling_efficiency": r["scaling_efficiency"],
             "wire_bytes_per_iteration": r["wire_bytes_per_iteration"],
@@ -154,6 +159,24 @@ def accuracy_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "speedup": (base / t["seconds"]) if base and t.get("seconds") else None,
         })
     return out
+
+
+def _range(values: list[float | None]) -> tuple[float | None, float | None]:
+    reached = [v for v in values if v is not None]
+    return (min(reached) if reached else None,
+            None if len(reached) < len(values) or not reached else max(reached))
+
+
+def _time_cell(r: dict[str, Any]) -> str:
+    if r["seconds"] is None:
+        text = "not reached"
+    else:
+        text = f"{r['seconds']:.1f} ({r['steps']:g} steps)"
+    if r["seeds"] > 1:
+        lo, hi = r["seconds_range"]
+        text += (f" [{'-' if lo is None else f'{lo:.1f}'}-{'not reached' if hi is None else f'{hi:.1f}'}, "
+                 f"{r['reached']}/{r['seeds']} reached]")
+    return text
 
 
 def print_accuracy_table(result: dict[str, Any], label: str) -> None:
@@ -172,16 +195,17 @@ def print_accuracy_table(result: dict[str, Any], label: str) -> None:
     target = cfg["to_accuracy"] * 100
     table = Table(title=f"gradsync bench: time to {target:.0f}% test accuracy, {result['world_size']} ranks, {label}",
                   caption=(f"{cfg['workload']}, batch {cfg['batch_size']} per rank, lr {cfg['lr']:g}; test accuracy "
-                           f"on 2,000 test samples every {cfg['eval_every']} steps (evaluation time excluded); "
-                           f"dense all-reduce CCR {result['dense_ccr']:.2f}; iteration times: medians of "
+                           f"on the full test set every {cfg['eval_every']} steps (evaluation time excluded); "
+                           + (f"median over seeds {', '.join(map(str, cfg['seeds']))} (fastest-slowest); "
+                              if len(cfg.get("seeds") or []) > 1 else "")
+                           + f"dense all-reduce CCR {result['dense_ccr']:.2f}; iteration times: medians of "
                            f"{cfg['rounds']} x {cfg['steps']} interleaved steps"))
     for col in ("algorithm", f"time to {target:.0f}% (s)", "final accuracy", "iteration ms", "scaling eff.",
                 "wire/iter", "speed-up"):
         table.add_column(col, justify="left" if col == "algorithm" else "right")
     for r in accuracy_rows(result):
         name = r["algorithm"] + (f" ({r['options']})" if r["options"] else "")
-        table.add_row(name,
-                      "not reached" if r["seconds"] is None else f"{r['seconds']:.1f} ({r['steps']} steps)",
+        table.add_row(name, _time_cell(r),
                       "-" if r["final_accuracy"] is None else f"{r['final_accuracy'] * 100:.1f}%",
                       f"{r['iteration_ms']:.1f}", f"{r['scaling_efficiency'] * 100:.0f}%",
                       fmt_bytes(r["wire_bytes_per_iteration"]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ from ..train.evaluate import evaluate
 from ..algorithms import BuildContext, Synchroniser, build
 from ..algorithms.base import compression_ratio
 from ..workloads import get_workload
-from .config import BenchConfig
+from .config import BenchConfig, parse_entry
 
 
 def _batches(x: torch.Tensor, y: torch.Tensor, rank: int, world: int, n: int, batch: int, seed: int):
@@ -80,11 +81,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     def make_optimizer(params):
         return workload.make_optimizer(params, lr=cfg.lr, momentum=0.9)
 
-    def make(name: str) -> Synchroniser:
-        """A fresh copy of the model under algorithm ``name``, calibrated with this run's CCR."""
-        ctx = BuildContext(model=copy.deepcopy(model0), make_optimizer=make_optimizer,
-                           bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed, batch_size=cfg.batch_size)
-        dp = build(name, ctx, cfg.algorithm_options(name))
+    def make(name: str, model: torch.nn.Module | None = None, seed: int | None = None) -> Synchroniser:
+        """A fresh copy of ``model`` (default: this run's start model) under ``--algorithms`` entry
+        ``name``, calibrated with this run's CCR."""
+        ctx = BuildContext(model=copy.deepcopy(model0 if model is None else model), make_optimizer=make_optimizer,
+                           bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed if seed is None else seed,
+                           batch_size=cfg.batch_size)
+        dp = build(parse_entry(name)[0], ctx, cfg.algorithm_options(name))
         if dp.needs_ccr:
             chosen[name] = dp.calibrate(ccr_for(dp.wire_dtype).ccr)
         return dp
@@ -152,7 +155,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                       flush=True)
             dp.close()
 
-    accuracy = _time_to_accuracy(cfg, make, train_x, train_y, test_x, test_y, loss_fn) if cfg.to_accuracy else {}
+    accuracy = (_time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn)
+                if cfg.to_accuracy else {})
     if rank != 0:
         return None
     compute_s = statistics.median(compute_steps)
@@ -203,36 +207,65 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     }
 
 
-def _time_to_accuracy(cfg, make, train_x, train_y, test_x, test_y, loss_fn):
-    """Train each algorithm from the same start until ``cfg.to_accuracy`` on a 2,000-sample test
-    subset (evaluated every ``eval_every`` steps, evaluation time excluded). Returns per algorithm
-    ``{"seconds": float | None, "steps": int, "curve": [(train_seconds, accuracy), ...]}``."""
+def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn):
+    """Train each entry of ``cfg.algorithms`` once per seed of ``cfg.accuracy_seeds()`` (the seed
+    sets the start model, the data order and the algorithm's randomness; every entry of a seed starts
+    from the same model and sees the same batches) until test accuracy on the full test set (evaluated
+    every ``eval_every`` steps, evaluation time excluded) reaches ``cfg.to_accuracy``, or
+    ``max_accuracy_steps``.
+
+    Returns per entry ``{"seconds": median over seeds or None, "steps": median steps, "seeds": [...],
+    "seconds_by_seed": [float | None, ...], "steps_by_seed": [...], "final_accuracy_by_seed": [...],
+    "curve": the first seed's [(train_seconds, accuracy), ...], "curves": one per seed}``. The median
+    counts a seed that did not reach the target as slower than any that did; it is None when half or
+    more of the seeds did not reach it.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
-    tx, ty = test_x[:2000], test_y[:2000]
-    out = {}
-    g = torch.Generator().manual_seed(cfg.seed + 17)
-    for name in cfg.algorithms:
-        dist.barrier()
-        dp = make(name)
-        perm = torch.randperm(train_x.shape[0], generator=g)
-        shard = perm[rank::world]
-        elapsed, steps, curve, reached = 0.0, 0, [], None
-        while steps < cfg.max_accuracy_steps and reached is None:
-            for i in range(cfg.eval_every):
-                lo = ((steps + i) * cfg.batch_size) % (shard.numel() - cfg.batch_size)
-                idx = shard[lo:lo + cfg.batch_size]
-                t0 = time.perf_counter()
-                dp.train_step(train_x[idx], train_y[idx], loss_fn)
-                elapsed += time.perf_counter() - t0
-            steps += cfg.eval_every
-            dp.flush()
-            _, acc = evaluate(dp.module, tx, ty, torch.device("cpu"))
-            curve.append((elapsed, acc))
-            if acc >= cfg.to_accuracy:
-                reached = elapsed
-        out[name] = {"seconds": reached, "steps": steps, "curve": curve}
-        dp.close()
-    return out
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.algorithms}
+    for seed in cfg.accuracy_seeds():
+        torch.manual_seed(seed)
+        model = workload.make_model()
+        for name in cfg.algorithms:
+            g = torch.Generator().manual_seed(seed + 17)
+            dist.barrier()
+            dp = make(name, model, seed)
+            shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
+            elapsed, steps, curve, reached = 0.0, 0, [], None
+            while steps < cfg.max_accuracy_steps and reached is None:
+                for i in range(cfg.eval_every):
+                    lo = ((steps + i) * cfg.batch_size) % (shard.numel() - cfg.batch_size)
+                    idx = shard[lo:lo + cfg.batch_size]
+                    t0 = time.perf_counter()
+                    dp.train_step(train_x[idx], train_y[idx], loss_fn)
+                    elapsed += time.perf_counter() - t0
+                steps += cfg.eval_every
+                dp.flush()
+                _, acc = evaluate(dp.module, test_x, test_y, torch.device("cpu"))
+                curve.append((elapsed, acc))
+                if acc >= cfg.to_accuracy:
+                    reached = elapsed
+            runs[name].append({"seconds": reached, "steps": steps, "curve": curve})
+            if rank == 0:
+                print(f"seed {seed} {name}: "
+                      + (f"{cfg.to_accuracy:.0%} after {reached:.1f} s ({steps} steps)" if reached is not None
+                         else f"{cfg.to_accuracy:.0%} not reached in {steps} steps ({acc:.1%})"), flush=True)
+            dp.close()
+    return {name: _accuracy_summary(cfg.accuracy_seeds(), r) for name, r in runs.items()}
+
+
+def _accuracy_summary(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    seconds = [r["seconds"] for r in runs]
+    median = statistics.median(math.inf if s is None else s for s in seconds)
+    return {
+        "seconds": None if math.isinf(median) else median,
+        "steps": statistics.median(r["steps"] for r in runs),
+        "seeds": list(seeds),
+        "seconds_by_seed": seconds,
+        "steps_by_seed": [r["steps"] for r in runs],
+        "final_accuracy_by_seed": [r["curve"][-1][1] for r in runs],
+        "curve": runs[0]["curve"],
+        "curves": [r["curve"] for r in runs],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
