@@ -78,7 +78,8 @@ def test_accuracy_rows_summarise_the_seeds(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # one line per row
     result = {"world_size": 2, "dense_ccr": 3.0,
               "config": {"to_accuracy": 0.8, "workload": "fashion-mnist", "batch_size": 64, "lr": 0.05,
-                         "eval_every": 25, "rounds": 2, "steps": 10, "seeds": [0, 1, 2]},
+                         "eval_every": 25, "rounds": 2, "steps": 10, "seeds": [0, 1, 2],
+                         "eval_samples": 2000},
               "rows": [_row("allreduce", 0.5, [(60.0, 0.81), (50.0, 0.82), (70.0, 0.80)]),
                        _row("covap:ratio=2", 0.3, [(30.0, 0.80), (None, 0.79), (40.0, 0.81)]),
                        _row("topk", 0.2, [(None, 0.6), (None, 0.7), (20.0, 0.8)])]}
@@ -90,7 +91,7 @@ def test_accuracy_rows_summarise_the_seeds(capsys, monkeypatch):
     assert rows["topk"]["seconds"] is None and rows["topk"]["speedup"] is None
     print_accuracy_table(result, "emulated 2 hosts, tbf 10 Mbit/s")
     out = " ".join(capsys.readouterr().out.split())
-    assert "median over seeds 0, 1, 2" in out and "2/3 reached" in out and "30.0-not reached" in out
+    assert "first 2,000 test samples" in out and "median over seeds 0, 1, 2" in out and "2/3 reached" in out and "30.0-not reached" in out
 
 
 @pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
@@ -100,7 +101,7 @@ def test_bench_runs_entries_of_one_algorithm_and_several_seeds(tmp_path):
         [sys.executable, "-m", "gradsync", "bench", "--hosts", "2", "--steps", "2", "--warmup", "0",
          "--rounds", "1", "--algorithms", "allreduce,powersgd:matrix_approximation_rank=1,"
          "powersgd:matrix_approximation_rank=2", "--seeds", "0,1", "--to-accuracy", "0.5", "--eval-every", "10",
-         "--max-accuracy-steps", "10", "--table", "accuracy", "--out", str(tmp_path)],
+         "--max-accuracy-steps", "10", "--eval-samples", "1000", "--table", "accuracy", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -119,4 +120,4 @@ def test_bench_runs_entries_of_one_algorithm_and_several_seeds(tmp_path):
     a = rows["allreduce"]["time_to_accuracy"]["curves"]
     assert a[0] != a[1], "the seeds train from different models and data orders"
     out = " ".join(proc.stdout.split())
-    assert "median over seeds 0, 1" in out and "powersgd:matrix_approximation_rank=2 (r=2)" in out
+    assert "first 1,000 test samples" in out and "median over seeds 0, 1" in out and "powersgd:matrix_approximation_rank=2 (r=2)" in out

@@ -167,7 +167,9 @@ def _range(values: list[float | None]) -> tuple[float | None, float | None]:
             None if len(reached) < len(values) or not reached else max(reached))
 
 
-def _time_cell(r: dict[str, Any]) -> str:
+def time_to_target_cell(r: dict[str, Any]) -> str:
+    """An :func:`accuracy_rows` row's time to the target as text: ``"53.4 (275 steps)"`` or ``"not
+    reached"``, with several seeds followed by ``[fastest-slowest, reached/seeds reached]``."""
     if r["seconds"] is None:
         text = "not reached"
     else:
@@ -195,7 +197,9 @@ def print_accuracy_table(result: dict[str, Any], label: str) -> None:
     target = cfg["to_accuracy"] * 100
     table = Table(title=f"gradsync bench: time to {target:.0f}% test accuracy, {result['world_size']} ranks, {label}",
                   caption=(f"{cfg['workload']}, batch {cfg['batch_size']} per rank, lr {cfg['lr']:g}; test accuracy "
-                           f"on the full test set every {cfg['eval_every']} steps (evaluation time excluded); "
+                           + (f"on the first {cfg['eval_samples']:,} test samples" if cfg.get("eval_samples")
+                              else "on the full test set")
+                           + f" every {cfg['eval_every']} steps (evaluation time excluded); "
                            + (f"median over seeds {', '.join(map(str, cfg['seeds']))} (fastest-slowest); "
                               if len(cfg.get("seeds") or []) > 1 else "")
                            + f"dense all-reduce CCR {result['dense_ccr']:.2f}; iteration times: medians of "
@@ -205,7 +209,7 @@ def print_accuracy_table(result: dict[str, Any], label: str) -> None:
         table.add_column(col, justify="left" if col == "algorithm" else "right")
     for r in accuracy_rows(result):
         name = r["algorithm"] + (f" ({r['options']})" if r["options"] else "")
-        table.add_row(name, _time_cell(r),
+        table.add_row(name, time_to_target_cell(r),
                       "-" if r["final_accuracy"] is None else f"{r['final_accuracy'] * 100:.1f}%",
                       f"{r['iteration_ms']:.1f}", f"{r['scaling_efficiency'] * 100:.0f}%",
                       fmt_bytes(r["wire_bytes_per_iteration"]),

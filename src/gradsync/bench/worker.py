@@ -211,8 +211,8 @@ def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, los
     """Train each entry of ``cfg.algorithms`` once per seed of ``cfg.accuracy_seeds()`` (the seed
     sets the start model, the data order and the algorithm's randomness; every entry of a seed starts
     from the same model and sees the same batches) until test accuracy on the full test set (evaluated
-    every ``eval_every`` steps, evaluation time excluded) reaches ``cfg.to_accuracy``, or
-    ``max_accuracy_steps``.
+    every ``eval_every`` steps, evaluation time excluded; the first ``eval_samples`` test samples
+    when given) reaches ``cfg.to_accuracy``, or ``max_accuracy_steps``.
 
     Returns per entry ``{"seconds": median over seeds or None, "steps": median steps, "seeds": [...],
     "seconds_by_seed": [float | None, ...], "steps_by_seed": [...], "final_accuracy_by_seed": [...],
@@ -221,6 +221,8 @@ def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, los
     more of the seeds did not reach it.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.eval_samples is not None:
+        test_x, test_y = test_x[:cfg.eval_samples], test_y[:cfg.eval_samples]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.algorithms}
     for seed in cfg.accuracy_seeds():
         torch.manual_seed(seed)
