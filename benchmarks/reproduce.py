@@ -141,6 +141,14 @@ DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms", "allreduce,fp16,cova
 EXPERIMENTS = [
     Experiment("demo", "`make demo`: time to accuracy on 2 emulated hosts", [Run("bench", "bench", DEMO)],
                bench_table, root=True),
+    Experiment("seeds", "Results: time to accuracy against the best peers, 3 seeds", [
+        Run("bench", "bench", ["--hosts", "2", "--bandwidth", "15", "--algorithms",
+                               "allreduce,fp16,powersgd:matrix_approximation_rank=1,"
+                               "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
+                               "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80",
+                               "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
+                               "--max-accuracy-steps", "500", "--table", "accuracy"]),
+    ], bench_table, root=True),
     Experiment("train-default", "Results: `gradsync train` (the default job)", [
         Run("allreduce", "train", ["--algorithm", "allreduce"]),
         Run("covap-auto", "train", ["--algorithm", "covap", "--ratio", "auto"]),
@@ -190,9 +198,9 @@ EXPERIMENTS = [
             quick=["--reps", "2", "--numel", "20000"]),
     ], script_table),
     Experiment("crossover", "Results: crossover rates (benchmarks/crossover.py)", [
-        Run("crossover", "script", ["benchmarks/crossover.py", "--bandwidths", "10,25,50,100,250,1000", "--algorithms",
-                                    "allreduce,oscar-sw,oscar-asc,topk,covap", "--hosts", "2", "--steps", "20",
-                                    "--warmup", "5", "--rounds", "3", "--out", "{out}"],
+        Run("crossover", "script", ["benchmarks/crossover.py", "--bandwidths", "10,50,250,1000", "--algorithms",
+                                    "allreduce,oscar-sw,oscar-asc,topk,covap", "--hosts", "2", "--steps", "15",
+                                    "--warmup", "5", "--rounds", "2", "--out", "{out}"],
             quick=["--bandwidths", "25", "--algorithms", "allreduce,covap", "--steps", "2", "--warmup", "1",
                    "--rounds", "1"]),
     ], script_table, root=True),

@@ -31,7 +31,8 @@ def print_table(result: dict[str, Any], label: str) -> None:
                            + f"{cfg['rounds']} rounds x {cfg['steps']} steps, interleaved"))
     for col in ("algorithm", "median ms", "p10-p90 ms", "speedup", "scaling eff.", "exposed comm ms",
                 "compress ms", "wire/iter", "ratio", "payload/iter"):
-        table.add_column(col, justify="left" if col == "algorithm" else "right")
+        table.add_column(col, justify="left" if col == "algorithm" else "right",
+                         overflow="fold" if col == "algorithm" else "ellipsis")
     has_coding = any(r.get("coding_s", 0.0) > 0 for r in result["rows"])
     if has_coding:
         table.add_column("coding ms", justify="right")
@@ -58,7 +59,7 @@ def print_table(result: dict[str, Any], label: str) -> None:
 def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``bench.json``, ``breakdown.png`` (stacked compute / compression / exposed communication
     per algorithm), with time-to-accuracy data ``accuracy.png`` (test accuracy against training
-    seconds) and, when a row logs COVAP's ratio per step (``covap_k``), ``ratio.png`` (K per timed
+    seconds, one line per algorithm and seed) and, when a row logs COVAP's ratio per step (``covap_k``), ``ratio.png`` (K per timed
     step, rounds one after another)."""
     import matplotlib
 
@@ -89,10 +90,12 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     plt.close(fig)
     if any("time_to_accuracy" in r for r in rows):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for r in rows:
-            curve = r.get("time_to_accuracy", {}).get("curve", [])
-            if curve:
-                ax.plot([c[0] for c in curve], [c[1] * 100 for c in curve], "o-", ms=3, label=r["algorithm"])
+        for i, r in enumerate(rows):
+            tta = r.get("time_to_accuracy", {})
+            for j, curve in enumerate(tta.get("curves") or [tta.get("curve", [])]):
+                if curve:  # one line per seed, the first labelled
+                    ax.plot([c[0] for c in curve], [c[1] * 100 for c in curve], "o-", ms=3, color=f"C{i}",
+                            alpha=1.0 if j == 0 else 0.45, label=r["algorithm"] if j == 0 else None)
         ax.axhline(result["config"]["to_accuracy"] * 100, color="grey", ls="--", lw=0.8)
         ax.set_xlabel("training wall-clock time (s, evaluation excluded)")
         ax.set_ylabel("test accuracy (%)")
@@ -206,7 +209,8 @@ def print_accuracy_table(result: dict[str, Any], label: str) -> None:
                            f"{cfg['rounds']} x {cfg['steps']} interleaved steps"))
     for col in ("algorithm", f"time to {target:.0f}% (s)", "final accuracy", "iteration ms", "scaling eff.",
                 "wire/iter", "speed-up"):
-        table.add_column(col, justify="left" if col == "algorithm" else "right")
+        table.add_column(col, justify="left" if col == "algorithm" else "right",
+                         overflow="fold" if col == "algorithm" else "ellipsis")
     for r in accuracy_rows(result):
         name = r["algorithm"] + (f" ({r['options']})" if r["options"] else "")
         table.add_row(name, time_to_target_cell(r),
