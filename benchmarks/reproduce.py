@@ -148,6 +148,12 @@ EXPERIMENTS = [
                                "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80",
                                "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
                                "--max-accuracy-steps", "500", "--table", "accuracy"]),
+        Run("bench-4hosts", "bench", ["--hosts", "4", "--bandwidth", "10", "--algorithms",
+                                      "allreduce,fp16,powersgd:matrix_approximation_rank=1,"
+                                      "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
+                                      "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80",
+                                      "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
+                                      "--max-accuracy-steps", "500", "--table", "accuracy"]),
     ], bench_table, root=True),
     Experiment("train-default", "Results: `gradsync train` (the default job)", [
         Run("allreduce", "train", ["--algorithm", "allreduce"]),
