@@ -190,6 +190,14 @@ EXPERIMENTS = [
         Run("gravac-floor-0.9", "train", ["--workload", "kjv-lstm", "--algorithm", "gravac", "--gain-floor", "0.9",
                                           "--epochs", "1"]),
     ], train_table),
+    Experiment("adamw", "Results: COVAP with AdamW (kjv-transformer, 3 workers, 150 steps)", [
+        Run("allreduce", "train", ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150",
+                                   "--algorithm", "allreduce"]),
+        Run("covap-4", "train", ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150",
+                                 "--algorithm", "covap", "--ratio", "4"]),
+        Run("covap-2-fp16", "train", ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150",
+                                      "--algorithm", "covap", "--ratio", "2", "--cast", "fp16"]),
+    ], train_table),
     Experiment("oscar", "Results: OSCAR (--epochs 2; 4 hosts at 25 Mbit/s)", [
         Run("oscar-sw", "train", ["--algorithm", "oscar-sw", "--epochs", "2"]),
         Run("oscar-asc", "train", ["--algorithm", "oscar-asc", "--epochs", "2"]),
