@@ -430,3 +430,41 @@ class LocalRanks:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def run_module_ranks(module: str, config_json: str, world: int, *, master_addr: str = "127.0.0.1",
+                     socket_ifname: str | Callable[[int], str] | None = "lo",
+                     env: Mapping[str, str] | None = None,
+                     popen: Callable[..., subprocess.Popen] | None = None,
+                     deadline_s: float | None = None) -> Any:
+    """Run ``python -m <module> CONFIG RESULT`` on ``world`` ranks (:class:`LocalRanks` command
+    ranks) with ``config_json`` in the file CONFIG, and return the JSON rank 0 wrote to RESULT (with
+    :func:`write_result`). Rank 0's stdout is shown; the other ranks' stdout and every rank's stderr
+    go to logs whose tail is reported when a rank fails. ``master_addr``, ``socket_ifname``, ``env``
+    and ``popen`` are passed to :class:`LocalRanks` and :meth:`LocalRanks.start_command`.
+
+    Raises:
+        RankFailure: when a rank fails (the others are stopped) or the run exceeds ``deadline_s``.
+    """
+    import json
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="gradsync-run-") as tmp:
+        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        cfg_path.write_text(config_json)
+        with LocalRanks(world, master_addr=master_addr, socket_ifname=socket_ifname, env=env) as ranks:
+            ranks.start_command(lambda r: [sys.executable, "-m", module, str(cfg_path), str(out_path)],
+                                popen=popen, output=lambda r: (None if r == 0 else ranks.log(r), ranks.log(r)))
+            ranks.join(timeout=deadline_s)
+        return json.loads(out_path.read_text())
+
+
+def write_result(path: str, result: Any, default: Callable[[Any], Any] | None = None) -> None:
+    """Write ``result`` as JSON to ``path`` atomically (a ``.tmp`` file, then ``os.replace``), so
+    :func:`run_module_ranks` never reads a half-written file; ``default`` as in ``json.dump``."""
+    import json
+
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, default=default)
+    os.replace(tmp, path)

@@ -6,13 +6,9 @@ The ranks are commands (``python -m gradsync.bench.worker CONFIG RESULT``) start
 
 from __future__ import annotations
 
-import json
-import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from ..launch import LocalRanks, RankFailure
+from ..launch import RankFailure, run_module_ranks
 from .config import BenchConfig
 
 #: Raised when a benchmark rank fails (an alias kept for callers of this module).
@@ -27,20 +23,14 @@ def run_ranks(cfg: BenchConfig, cluster: Any = None, module: str = "gradsync.ben
     host ``i`` (``ip netns exec``) with ``GLOO_SOCKET_IFNAME`` set to that host's interface and
     rendezvous at host 0's address; otherwise all ranks run on 127.0.0.1. Rank 0's stdout is
     shown; the other ranks' stdout and every rank's stderr go to logs whose tail is reported when
-    a rank fails.
+    a rank fails (:func:`gradsync.launch.run_module_ranks`).
 
     Raises:
         RankError: when a rank fails (the others are stopped) or the run exceeds ``deadline_s``.
     """
     shaped = cluster is not None and cluster.shaped
-    with tempfile.TemporaryDirectory(prefix="gradsync-bench-") as tmp:
-        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        cfg_path.write_text(cfg.to_json())
-        with LocalRanks(cfg.hosts, master_addr=cluster.address(0) if shaped else "127.0.0.1",
-                        socket_ifname=cluster.ifname if shaped else "lo",
-                        env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}) as ranks:
-            ranks.start_command(lambda r: [sys.executable, "-m", module, str(cfg_path), str(out_path)],
-                                popen=cluster.popen if shaped else None,
-                                output=lambda r: (None if r == 0 else ranks.log(r), ranks.log(r)))
-            ranks.join(timeout=deadline_s)
-        return json.loads(out_path.read_text())
+    return run_module_ranks(module, cfg.to_json(), cfg.hosts,
+                            master_addr=cluster.address(0) if shaped else "127.0.0.1",
+                            socket_ifname=cluster.ifname if shaped else "lo",
+                            env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
+                            popen=cluster.popen if shaped else None, deadline_s=deadline_s)

@@ -14,7 +14,6 @@ import copy
 import datetime
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.agreement import check_config_agreement
+from ..launch import write_result
 from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
@@ -280,10 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     if result is not None:
-        tmp = argv[1] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f)
-        os.replace(tmp, argv[1])
+        write_result(argv[1], result)
     return 0
 
 

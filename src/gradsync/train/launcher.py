@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..launch import LocalRanks, RankFailure
+from ..launch import LocalRanks, RankFailure, run_module_ranks
 from .config import TrainConfig
 
 
@@ -146,8 +146,6 @@ def launch_on_cluster(cfg: TrainConfig, cluster: Any, deadline_s: float | None =
             ``deadline_s``; the other ranks are stopped first.
     """
     import json
-    import tempfile
-    from pathlib import Path
 
     if cfg.workers % cluster.hosts:
         raise ValueError(f"workers must be a multiple of hosts ({cluster.hosts}), got {cfg.workers}")
@@ -157,16 +155,10 @@ def launch_on_cluster(cfg: TrainConfig, cluster: Any, deadline_s: float | None =
         env = dict(env, LOCAL_RANK=str(rank % per_host), LOCAL_WORLD_SIZE=str(per_host))
         return cluster.popen(rank // per_host, argv, env=env, **kwargs)
 
-    with tempfile.TemporaryDirectory(prefix="gradsync-train-") as tmp:
-        cfg_path, out_path = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        cfg_path.write_text(json.dumps(cfg.to_dict()))
-        with LocalRanks(cfg.workers, master_addr=cluster.address(0),
-                        socket_ifname=lambda r: cluster.ifname(r // per_host)) as ranks:
-            ranks.start_command(lambda r: [sys.executable, "-m", "gradsync.train.worker", str(cfg_path),
-                                           str(out_path)],
-                                popen=popen, output=lambda r: (None if r == 0 else ranks.log(r), ranks.log(r)))
-            try:
-                ranks.join(timeout=deadline_s)
-            except RankFailure as exc:
-                raise TrainingFailed(exc, cfg.checkpoint) from None
-        return json.loads(out_path.read_text())
+    try:
+        return run_module_ranks("gradsync.train.worker", json.dumps(cfg.to_dict()), cfg.workers,
+                                master_addr=cluster.address(0),
+                                socket_ifname=lambda r: cluster.ifname(r // per_host), popen=popen,
+                                deadline_s=deadline_s)
+    except RankFailure as exc:
+        raise TrainingFailed(exc, cfg.checkpoint) from None

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         ValueError: if ``argv`` is not ``[CONFIG, RESULT]`` or the configuration is invalid.
     """
+    from ..launch import write_result
     from .launcher import _run_rank
 
     argv = sys.argv[1:] if argv is None else argv
@@ -35,10 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     result = _run_rank(rank, world, int(os.environ.get("LOCAL_RANK", "0")), cfg)
     if result is not None:
-        tmp = argv[1] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, default=str)
-        os.replace(tmp, argv[1])
+        write_result(argv[1], result, default=str)
     return 0
 
 
