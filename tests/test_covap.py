@@ -14,23 +14,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
+from small_mlp import backward_step, batch, flat_grad, make_model
 from gradsync.algorithms import AllReduceState, CovapPlan, CovapState, allreduce_hook, covap_hook
 from gradsync.comm.agreement import ConfigMismatchError, check_config_agreement
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 96), nn.Tanh(),
-                         nn.Linear(96, 32), nn.Tanh(), nn.Linear(32, 10))
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 def grads_per_step(rank, world, algorithm, steps, ratio=1, lam0=None):
@@ -46,9 +32,7 @@ def grads_per_step(rank, world, algorithm, steps, ratio=1, lam0=None):
         model.register_comm_hook(state, covap_hook)
     out = []
     for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward_step(model, rank, step)
         out.append(flat_grad(model.module).clone())
     return out, (state.stats() if state else None)
 
@@ -118,9 +102,7 @@ def ef_mass(rank, world, steps):
     model.register_comm_hook(state, hook)
     applied = torch.zeros((), dtype=torch.float64)
     for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward_step(model, rank, step)
         applied += flat_grad(model.module).double().sum()
     totals = torch.stack([raw, state.filter.memory.total()])
     dist.all_reduce(totals)

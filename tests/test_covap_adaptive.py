@@ -17,26 +17,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
+from small_mlp import backward_step, batch, flat_grad, make_model
 from gradsync.algorithms import BuildContext, CovapState, build, covap_hook, make_options
 from gradsync.algorithms.covap_adapt import CommTimer, RatioAdapter, StepTiming
 from gradsync.profiler.ccr import ddp_bucket_numels
 
 START = 2
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 96), nn.Tanh(),
-                         nn.Linear(96, 32), nn.Tanh(), nn.Linear(32, 10))
-
-
-def batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(16, 20, generator=g), torch.randint(0, 10, (16,), generator=g)
-
-
-def flat_grad(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
 class FedTimer(CommTimer):
@@ -75,9 +61,7 @@ def adaptive_run(rank, world, steps, high_until):
     applied = torch.zeros((), dtype=torch.float64)
     ks = []
     for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward_step(model, rank, step)
         applied += flat_grad(model.module).double().sum()
         ks.append(state.observe_step(0.0, 16)["covap_k"])
     totals = torch.stack([raw, state.filter.memory.total()])
@@ -119,9 +103,7 @@ def real_timing(rank, world, steps):
     model.register_comm_hook(state, covap_hook)
     timings = []
     for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward_step(model, rank, step)
         if step >= START:
             # what the next step boundary will close, read here without disturbing the hook
             timings.append(pickle.loads(pickle.dumps(state.timer)).finish_step())
@@ -173,9 +155,7 @@ def cast_run(rank, world, cast, steps):
     delivered, residuals = [], None
     applied = torch.zeros((), dtype=torch.float64)
     for step in range(steps):
-        model.zero_grad(set_to_none=True)
-        x, y = batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
+        backward_step(model, rank, step)
         delivered.append(flat_grad(model.module).clone())
         applied += flat_grad(model.module).double().sum()
         if step == START:
