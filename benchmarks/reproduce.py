@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # a checkout without PYTHONPATH=src
+from gradsync.bench.report import accuracy_rows, time_to_target_cell  # noqa: E402
+from gradsync.report.training import fmt_bytes  # noqa: E402
+
 GRADSYNC = [sys.executable, "-m", "gradsync"]
 QUICK_TRAIN = ["--max-steps", "3", "--train-samples", "512", "--no-progress"]
 QUICK_BENCH = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--eval-every", "5", "--max-accuracy-steps", "10"]
@@ -59,14 +63,6 @@ class Experiment:
 
 
 # ------------------------------------------------------------------------------------- tables
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} GB"
-
-
 def _md(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -82,7 +78,7 @@ def train_table(out: Path, runs: list[Run]) -> str:
         metric = (f"{s['bits_per_char']:.3f} bits/char" if "bits_per_char" in s
                   else f"{s['test_accuracy'] * 100:.2f} %")
         algo = s["algorithm"] + (f" (K={s['ratio']})" if "ratio" in s else "")
-        rows.append([run.name, algo, metric, str(s["steps"]), _fmt_bytes(s["wire_bytes_per_iteration"]),
+        rows.append([run.name, algo, metric, str(s["steps"]), fmt_bytes(s["wire_bytes_per_iteration"]),
                      f"{s['compression_ratio']:.2f}x", f"{s['mean_iteration_s'] * 1e3:.1f}",
                      s.get("network", "")])
     return _md(["run", "algorithm", "test metric", "steps", "wire/iter", "compression", "iteration ms",
@@ -102,20 +98,17 @@ def bench_table(out: Path, runs: list[Run]) -> str:
             name = r["algorithm"] + (f" (K={opts['ratio']})" if opts.get("ratio") is not None else "")
             rows.append([name, f"{r['iteration_s']['median'] * 1e3:.1f}", f"{r['speedup_vs_allreduce']:.2f}x",
                          f"{r['scaling_efficiency'] * 100:.0f} %", f"{r['exposed_comm_s'] * 1e3:.1f}",
-                         _fmt_bytes(r["wire_bytes_per_iteration"]), f"{r['compression_ratio']:.2f}x",
-                         _fmt_bytes(r["payload_bytes_per_iteration"])])
+                         fmt_bytes(r["wire_bytes_per_iteration"]), f"{r['compression_ratio']:.2f}x",
+                         fmt_bytes(r["payload_bytes_per_iteration"])])
         parts.append(_md(["algorithm", "median ms", "speedup", "scaling eff.", "exposed comm ms", "wire/iter",
                           "ratio", "payload/iter"], rows))
         if any("time_to_accuracy" in r for r in res["rows"]):
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-            from gradsync.bench.report import accuracy_rows, time_to_target_cell
-
             target = res["config"]["to_accuracy"] * 100
             rows = [[r["algorithm"] + (f" ({r['options']})" if r["options"] else ""),
                      time_to_target_cell(r),
                      "-" if r["final_accuracy"] is None else f"{r['final_accuracy'] * 100:.1f} %",
                      f"{r['iteration_ms']:.1f}", f"{r['scaling_efficiency'] * 100:.0f} %",
-                     _fmt_bytes(r["wire_bytes_per_iteration"]), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"]
+                     fmt_bytes(r["wire_bytes_per_iteration"]), "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"]
                     for r in accuracy_rows(res)]
             parts.append("\n" + _md(["algorithm", f"time to {target:.0f} % (s)", "final accuracy", "iteration ms",
                                      "scaling eff.", "wire/iter", "speed-up"], rows))
@@ -138,22 +131,20 @@ DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms", "allreduce,fp16,cova
         "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80", "--eval-every", "25",
         "--eval-samples", "2000", "--max-accuracy-steps", "400", "--table", "accuracy"]  # the Makefile's DEMO_ARGS
 
+# time to accuracy over 3 seeds against fp16 and two PowerSGD ranks (after --hosts H --bandwidth R)
+SEEDS = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=1,powersgd:matrix_approximation_rank=4,"
+         "covap:ratio=2:cast=fp16", "--lr", "0.05", "--steps", "10", "--warmup", "3", "--rounds", "2",
+         "--to-accuracy", "0.80", "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
+         "--max-accuracy-steps", "500", "--table", "accuracy"]
+# the transformer with AdamW (before --algorithm ...)
+ADAMW = ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150"]
+
 EXPERIMENTS = [
     Experiment("demo", "`make demo`: time to accuracy on 2 emulated hosts", [Run("bench", "bench", DEMO)],
                bench_table, root=True),
     Experiment("seeds", "Results: time to accuracy against the best peers, 3 seeds", [
-        Run("bench", "bench", ["--hosts", "2", "--bandwidth", "15", "--algorithms",
-                               "allreduce,fp16,powersgd:matrix_approximation_rank=1,"
-                               "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
-                               "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80",
-                               "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
-                               "--max-accuracy-steps", "500", "--table", "accuracy"]),
-        Run("bench-4hosts", "bench", ["--hosts", "4", "--bandwidth", "10", "--algorithms",
-                                      "allreduce,fp16,powersgd:matrix_approximation_rank=1,"
-                                      "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
-                                      "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80",
-                                      "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
-                                      "--max-accuracy-steps", "500", "--table", "accuracy"]),
+        Run("bench", "bench", ["--hosts", "2", "--bandwidth", "15", *SEEDS]),
+        Run("bench-4hosts", "bench", ["--hosts", "4", "--bandwidth", "10", *SEEDS]),
     ], bench_table, root=True),
     Experiment("train-default", "Results: `gradsync train` (the default job)", [
         Run("allreduce", "train", ["--algorithm", "allreduce"]),
@@ -191,12 +182,9 @@ EXPERIMENTS = [
                                           "--epochs", "1"]),
     ], train_table),
     Experiment("adamw", "Results: COVAP with AdamW (kjv-transformer, 3 workers, 150 steps)", [
-        Run("allreduce", "train", ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150",
-                                   "--algorithm", "allreduce"]),
-        Run("covap-4", "train", ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150",
-                                 "--algorithm", "covap", "--ratio", "4"]),
-        Run("covap-2-fp16", "train", ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150",
-                                      "--algorithm", "covap", "--ratio", "2", "--cast", "fp16"]),
+        Run("allreduce", "train", [*ADAMW, "--algorithm", "allreduce"]),
+        Run("covap-4", "train", [*ADAMW, "--algorithm", "covap", "--ratio", "4"]),
+        Run("covap-2-fp16", "train", [*ADAMW, "--algorithm", "covap", "--ratio", "2", "--cast", "fp16"]),
     ], train_table),
     Experiment("oscar", "Results: OSCAR (--epochs 2; 4 hosts at 25 Mbit/s)", [
         Run("oscar-sw", "train", ["--algorithm", "oscar-sw", "--epochs", "2"]),

@@ -29,13 +29,18 @@ def _algorithm_values(args: argparse.Namespace) -> dict:
 def _auto_adapt(options: dict, algorithms: list[str]) -> dict:
     """``--ratio auto`` on the command line also follows the network: COVAP's ``adapt_every``
     defaults to :data:`~gradsync.algorithms.covap.AUTO_ADAPT_EVERY` steps there (the library's
-    default is 0, K fixed) when an algorithm of the run takes it and it was not given."""
+    default is 0, K fixed) when an algorithm of the run takes it and it was not given. ``algorithms``
+    are ``--algorithms`` entries (:func:`gradsync.bench.config.parse_entry`).
+
+    Raises:
+        ValueError: for an entry naming no registered algorithm (see :func:`parse_entry`).
+    """
     from .algorithms import REGISTRY
     from .algorithms.covap import AUTO_ADAPT_EVERY
+    from .bench.config import parse_entry
 
     if (options.get("ratio") == "auto" and "adapt_every" not in options
-            and any(n in REGISTRY and "adapt_every" in REGISTRY[n].options.keys()
-                    for n in (a.split(":")[0] for a in algorithms))):
+            and any("adapt_every" in REGISTRY[parse_entry(a)[0]].options.keys() for a in algorithms)):
         options = {**options, "adapt_every": AUTO_ADAPT_EVERY}
     return options
 

@@ -83,11 +83,7 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     ax.scatter(names, measured, color="black", zorder=3, label="measured median")
     ax.set_ylabel("ms per iteration")
     ax.set_title(f"iteration-time breakdown, {result['world_size']} ranks")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out / "breakdown.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(fig, ax, out / "breakdown.png"))
     if any("time_to_accuracy" in r for r in rows):
         fig, ax = plt.subplots(figsize=(6, 4))
         for i, r in enumerate(rows):
@@ -99,11 +95,7 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.axhline(result["config"]["to_accuracy"] * 100, color="grey", ls="--", lw=0.8)
         ax.set_xlabel("training wall-clock time (s, evaluation excluded)")
         ax.set_ylabel("test accuracy (%)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "accuracy.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, ax, out / "accuracy.png"))
     if any(r.get("covap_k") for r in rows):
         steps = result["config"]["steps"]
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -116,12 +108,19 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.set_xlabel("timed step (rounds one after another)")
         ax.set_ylabel("COVAP ratio K")
         ax.set_title("COVAP's K per step")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "ratio.png")
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(_save(fig, ax, out / "ratio.png"))
     return paths
+
+
+def _save(fig: Any, ax: Any, path: Path) -> Path:
+    """Add the legend, lay out, write ``fig`` to ``path`` (PNG, 110 dpi), close it; returns ``path``."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def accuracy_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -143,6 +142,7 @@ def accuracy_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         t = tta[r["algorithm"]]
+        by_seed = t.get("seconds_by_seed", [t.get("seconds")])
         opts = r.get("options", {})
         shown = {"ratio": "K", "cast": "cast", "density": "density", "matrix_approximation_rank": "r"}
         out.append({
@@ -152,9 +152,9 @@ def accuracy_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "steps": t.get("steps"),
             "final_accuracy": (statistics.median(t["final_accuracy_by_seed"]) if t.get("final_accuracy_by_seed")
                                else t["curve"][-1][1] if t.get("curve") else None),
-            "seeds": len(t.get("seconds_by_seed", [t.get("seconds")])),
-            "reached": sum(x is not None for x in t.get("seconds_by_seed", [t.get("seconds")])),
-            "seconds_range": _range(t.get("seconds_by_seed", [t.get("seconds")])),
+            "seeds": len(by_seed),
+            "reached": sum(x is not None for x in by_seed),
+            "seconds_range": _range(by_seed),
             "iteration_ms": r["iteration_s"]["median"] * 1e3,
             "scaling_efficiency": r["scaling_efficiency"],
             "wire_bytes_per_iteration": r["wire_bytes_per_iteration"],
