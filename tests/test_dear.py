@@ -163,10 +163,45 @@ def test_unused_parameters():
     _check(res)
 
 
-def test_batchnorm_buffers():
-    res = run_ranks(_compare, 2, "sgd", TINY_MB, 4, {"model_kw": {"bn": True}}, timeout=90, pg_timeout=20)
+@pytest.mark.parametrize("max_allgathers", ["auto", 1])  # Gloo's auto: every all-gather at step()
+def test_batchnorm_buffers(max_allgathers):
+    kw = {"model_kw": {"bn": True}, "max_allgathers": max_allgathers}
+    res = run_ranks(_compare, 2, "sgd", TINY_MB, 4, kw, timeout=90, pg_timeout=20)
     _check(res)
     assert res[0]["stats"]["buffer_broadcast_seconds"] > 0
+
+
+def _buffers_at_forward(rank, world_size):
+    """DeAR on a BatchNorm model; between step() and the next training forward a no-grad
+    training-mode forward changes the buffers (differently on each rank). Return, per training
+    forward, rank 0's buffers just before it and the buffers the forward starts from."""
+    torch.manual_seed(0)
+    mod = MLP(bn=True)
+    dear = DeAR(mod, torch.optim.SGD(mod.parameters(), lr=0.05), fusion_mb=TINY_MB)
+    seen = []
+    mod.bn.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
+    out = []
+    for t, (x, y) in enumerate(_batches(rank, 4)):
+        if t == 2:
+            with torch.no_grad():
+                mod(x * (rank + 2.0))  # training mode: updates the running statistics locally
+        rank0 = mod.bn.running_mean.clone()
+        dist.broadcast(rank0, src=0)
+        seen.clear()
+        dear.zero_grad()
+        nn.CrossEntropyLoss()(dear(x), y).backward()
+        out.append((rank0, seen[0]))
+        dear.step()
+    dear.flush()
+    return [(a.tolist(), b.tolist()) for a, b in out]
+
+
+def test_buffers_broadcast_in_step_are_rank_0s_at_the_next_forward():
+    # step() broadcasts rank 0's buffers for the next forward; a forward in between (t == 2) must
+    # make that forward broadcast afresh, or rank 1 would start from rank 0's stale values
+    for res in run_ranks(_buffers_at_forward, 2, timeout=90, pg_timeout=20):
+        for rank0, start in res:
+            assert start == pytest.approx(rank0, abs=0.0)
 
 
 def test_regroup_mid_run():
