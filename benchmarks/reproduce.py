@@ -155,9 +155,11 @@ EXPERIMENTS = [
         Run("bench", "bench", ["--hosts", "4", "--bandwidth", "25", "--algorithms", "allreduce,fp16,powersgd,covap",
                                "--steps", "20", "--rounds", "3"]),
     ], bench_table, root=True),
-    Experiment("dear", "Results: DeAR (bitwise-identical losses; 4 hosts at 25 Mbit/s)", [
+    Experiment("dear", "Results: DeAR (bitwise-identical losses; 2 hosts at 20 Mbit/s, 4 hosts at 25 Mbit/s)", [
         Run("allreduce", "train", ["--algorithm", "allreduce", "--max-steps", "100"]),
         Run("dear", "train", ["--algorithm", "dear", "--max-steps", "100"]),
+        Run("bench-2hosts", "bench", ["--hosts", "2", "--bandwidth", "20", "--algorithms", "allreduce,dear",
+                                      "--fusion-mb", "0.1"]),
         Run("bench", "bench", ["--hosts", "4", "--bandwidth", "25", "--algorithms", "allreduce,dear,covap,dear-covap",
                                "--fusion-mb", "0.1"]),
     ], lambda out, runs: train_table(out, runs[:2]) + "\n" + _dear_identical(out) + "\n" + bench_table(out, runs[2:]),

@@ -138,6 +138,15 @@ def test_hysteresis_band():
     assert RatioAdapter(5, hysteresis=0.0).decide(4, 4.01) == 5
 
 
+def test_max_ratio_caps_auto_and_adaptation():
+    st = CovapState(ratio="auto", adapt_every=5, max_ratio=4)
+    assert st.filter.calibrate(6.87) == {"ccr": 6.87, "ratio": 4}
+    assert st.adapter.decide(4, 1e9) == 4 and st.adapter.decide(4, 2.2) == 3
+    assert st.config()["max_ratio"] == 4
+    assert CovapState(ratio="auto").filter.calibrate(6.87)["ratio"] == 7  # default: COVAP's ceil(CCR) up to 32
+    assert make_options("covap", {"ratio": "auto", "max_ratio": 2}).max_ratio == 2
+
+
 def cast_run(rank, world, cast, steps):
     model = DDP(make_model(), bucket_cap_mb=0.01)
     state = CovapState(ratio=3, lam0=1.0, ramp_steps=1, cast=cast)
@@ -235,6 +244,7 @@ def test_k_in_state_dict_round_trips():
     ({"cast": "fp8"}, "cast"), ({"cast": "float16"}, "cast"), ({"cast": 16}, "cast"),
     ({"adapt_every": -1}, "adapt_every"), ({"adapt_every": 2.5}, "adapt_every"),
     ({"adapt_every": 2, "hysteresis": 1.0}, "hysteresis"), ({"adapt_every": 2, "hysteresis": -0.1}, "hysteresis"),
+    ({"max_ratio": 0}, "max_ratio"), ({"max_ratio": 33}, "max_ratio"), ({"ratio": 5, "max_ratio": 4}, "ratio"),
 ])
 def test_invalid_options_raise_value_error(kwargs, name):
     with pytest.raises(ValueError, match=name) as exc:

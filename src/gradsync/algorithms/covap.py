@@ -70,6 +70,8 @@ class CovapOptions(Options):
                                         "many steps (0: K fixed)", low=0, high=1_000_000, units="steps")
     cast: Optional[str] = option(None, "send the selected shard as fp16 or bf16 (rounding error kept in the "
                                  "error-feedback residual); default: the bucket's dtype", choices=CASTS)
+    max_ratio: int = option(MAX_RATIO, "largest K that 'auto' and adapt_every may choose (a large K hides the "
+                            "communication but costs accuracy per step)", low=1, high=MAX_RATIO)
 
 
 class CovapFilter:
@@ -80,15 +82,19 @@ class CovapFilter:
             :meth:`calibrate` receives the CCR.
         lam0, ramp_steps: discount constants; ``None`` takes the reference values for K
             (``lam0=0.5, D=50`` for K <= 8, else ``0.2, 100``).
+        max_ratio: largest K :meth:`calibrate` may choose, in [1, 32] (default 32).
 
     Raises:
-        ValueError: for arguments outside those ranges.
+        ValueError: for arguments outside those ranges, or a fixed ``ratio`` above ``max_ratio``.
     """
 
+    max_ratio = MAX_RATIO  # for filters pickled before the option existed
+
     def __init__(self, ratio: Union[int, str] = 3, lam0: Optional[float] = None,
-                 ramp_steps: Optional[int] = None):
+                 ramp_steps: Optional[int] = None, max_ratio: int = MAX_RATIO):
         self.auto = ratio == AUTO
-        self.ratio = 1 if self.auto else check_int("ratio", ratio, 1, MAX_RATIO)
+        self.max_ratio = check_int("max_ratio", max_ratio, 1, MAX_RATIO)
+        self.ratio = 1 if self.auto else check_int("ratio", ratio, 1, self.max_ratio)
         self.calibrated = False
         self._explicit_ramp = (None if lam0 is None else check_float("lam0", lam0, 0.0, 1.0),
                                None if ramp_steps is None else check_int("ramp_steps", ramp_steps, 1))
@@ -111,9 +117,9 @@ class CovapFilter:
         return self.auto and not self.calibrated
 
     def calibrate(self, ccr: float) -> dict[str, Any]:
-        """Set K = ceil(``ccr``) in [1, 32] (``ccr`` must be identical on every rank, e.g.
+        """Set K = ceil(``ccr``) in [1, ``max_ratio``] (``ccr`` must be identical on every rank, e.g.
         all-reduced MAX). Returns ``{"ccr": ccr, "ratio": K}``."""
-        self.set_ratio(ratio_for_ccr(ccr))
+        self.set_ratio(ratio_for_ccr(ccr, self.max_ratio))
         self.calibrated = True
         return {"ccr": float(ccr), "ratio": self.ratio}
 
@@ -172,7 +178,7 @@ class CovapFilter:
 
     def config(self) -> dict[str, Any]:
         return {"ratio": AUTO if self.needs_ccr else self.ratio, "lam0": self.discount.lam0,
-                "ramp_steps": self.discount.ramp_steps}
+                "ramp_steps": self.discount.ramp_steps, "max_ratio": self.max_ratio}
 
     def stats(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "covap_k": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
@@ -207,6 +213,8 @@ class CovapState(HookState):
             is all-reduced (summed) in that dtype and divided by the world size in float32 on
             receipt; the rounding error of the cast stays in the error-feedback residual.
         hysteresis: relative band of :class:`~gradsync.algorithms.covap_adapt.RatioAdapter`, in [0, 1).
+        max_ratio: largest K that ``"auto"`` and ``adapt_every`` may choose, in [1, 32] (default 32,
+            COVAP's limit); a fixed ``ratio`` must not exceed it.
         timer: the per-step timing source (default a new
             :class:`~gradsync.algorithms.covap_adapt.CommTimer`); tests pass one feeding chosen timings.
 
@@ -233,16 +241,17 @@ class CovapState(HookState):
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
                  model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = 0,
-                 cast: Optional[str] = None, hysteresis: float = 0.25, timer: Any = None):
+                 cast: Optional[str] = None, hysteresis: float = 0.25, timer: Any = None,
+                 max_ratio: int = MAX_RATIO):
         super().__init__(process_group)
-        self.filter = CovapFilter(ratio, lam0, ramp_steps)
+        self.filter = CovapFilter(ratio, lam0, ramp_steps, max_ratio)
         self.start_iter = check_int("start_iter", start_iter, 2)
         if cast is not None and cast not in CAST_DTYPES:
             raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
         self.cast = cast
         self.cast_dtype = CAST_DTYPES.get(cast) if cast is not None else None
         adapt_every = check_int("adapt_every", 0 if adapt_every is None else adapt_every, 0)
-        self.adapter = RatioAdapter(adapt_every, hysteresis) if adapt_every else None
+        self.adapter = RatioAdapter(adapt_every, hysteresis, self.filter.max_ratio) if adapt_every else None
         self.timer = timer if timer is not None else (CommTimer() if self.adapter is not None else None)
         if self.timer is not None and model is not None and timer is None:
             model.register_forward_hook(self.timer.forward_done)
@@ -516,7 +525,7 @@ def _numels(layout: Any) -> list[int]:
 
 def _make_hook(opts: CovapOptions, ctx: Any) -> Tuple[CovapState, Any]:
     return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model,
-                      adapt_every=opts.adapt_every, cast=opts.cast), covap_hook
+                      adapt_every=opts.adapt_every, cast=opts.cast, max_ratio=opts.max_ratio), covap_hook
 
 
 SPEC = hook_algorithm("covap", "COVAP coarse-grained filter, K from the measured CCR, discounted error feedback "

@@ -37,13 +37,14 @@ class CovapGradFilter:
 
     Args:
         ratio: K in [1, 32] (1 = no compression) or ``"auto"`` (K from :meth:`calibrate`).
+        max_ratio: largest K ``"auto"`` may choose, in [1, 32].
 
     Raises:
-        ValueError: if ``ratio`` is outside [1, 32].
+        ValueError: if ``ratio`` or ``max_ratio`` is outside [1, 32], or ``ratio`` above ``max_ratio``.
     """
 
-    def __init__(self, ratio: int | str = 3):
-        self.filter = CovapFilter(ratio)
+    def __init__(self, ratio: int | str = 3, max_ratio: int = MAX_RATIO):
+        self.filter = CovapFilter(ratio, max_ratio=max_ratio)
         self._dear: Any = None
 
     def bind(self, dear: Any) -> "CovapGradFilter":
@@ -110,8 +111,9 @@ class DearCovapOptions(DearOptions):
     OWNER = "dear-covap"
     ratio: int | str = option(3, "COVAP compression ratio K: each gradient element is sent once every K iterations; "
                               "'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
+    max_ratio: int = option(MAX_RATIO, "largest K that 'auto' may choose", low=1, high=MAX_RATIO)
 
 
 SPEC = wrapper_algorithm("dear-covap", "COVAP's filter inside DeAR's pipeline: only the selected shards are "
                          "reduce-scattered and all-gathered (gradsync)", DearCovapOptions,
-                         lambda opts, ctx: CovapGradFilter(opts.ratio))
+                         lambda opts, ctx: CovapGradFilter(opts.ratio, opts.max_ratio))
