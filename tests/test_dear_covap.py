@@ -16,14 +16,14 @@ def make_model() -> nn.Module:
                          nn.Tanh(), nn.Linear(16, 4))
 
 
-def deltas(rank, world, ratio, steps, use_ddp=False):
+def deltas(rank, world, ratio, steps, use_ddp=False, cast=None):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     if use_ddp:
         net, step = DDP(model), opt.step
         stats = None
     else:
-        filt = CovapGradFilter(ratio)
+        filt = CovapGradFilter(ratio, cast=cast)
         dear = DeAR(model, opt, fusion_mb=1e-6, grad_filter=filt)  # one module per fusion group
         filt.bind(dear)
         net, step = dear, dear.step
@@ -68,3 +68,16 @@ def test_dear_covap_sends_each_element_once_every_k_steps_and_fewer_bytes():
     assert s0["buckets_skipped"] > 0
     assert s0["wire_bytes"] < 0.5 * dense_stats["wire_bytes"]
     assert s0["payload_bytes"] < 0.5 * dense_stats["payload_bytes"]
+
+
+def test_dear_covap_cast_fp16_sends_half_the_bytes_and_tracks_fp32():
+    k = 3
+    f32, s32 = run_ranks(deltas, 2, k, 3 * k)[0]
+    f16, s16 = run_ranks(deltas, 2, k, 3 * k, False, "fp16")[0]
+    assert s16["collectives"] == s32["collectives"]
+    # values and used flags in 2 bytes instead of 4 (the padding to a multiple of P aside)
+    assert 0.45 * s32["wire_bytes"] <= s16["wire_bytes"] <= 0.55 * s32["wire_bytes"]
+    # fp16 rounding (relative 2**-11) of each sent value; the error stays in the residual
+    for a, b in zip(f32, f16):
+        assert not torch.any((b != 0) & (a == 0))  # same schedule (a tiny value may round to 0 in fp16)
+        torch.testing.assert_close(b, a, rtol=5e-3, atol=1e-4)

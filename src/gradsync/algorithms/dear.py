@@ -161,9 +161,10 @@ def _is_placeholder(t: Any) -> bool:
 @dataclass(frozen=True)
 class StridedShard:
     """A ``grad_filter`` result asking DeAR to reduce-scatter / all-gather only the elements
-    ``flat[start::stride]`` of a group, whose values to send are ``values`` (1-D, same dtype,
-    ``len(range(start, numel, stride))`` elements). The other positions get a zero averaged
-    gradient. Only this compact tensor (plus the used flags and padding) is communicated."""
+    ``flat[start::stride]`` of a group, whose values to send are ``values`` (1-D,
+    ``len(range(start, numel, stride))`` elements, the group's dtype or a narrower floating dtype
+    such as float16 to communicate in). The other positions get a zero averaged gradient. Only this
+    compact tensor (plus the used flags and padding, in ``values``' dtype) is communicated."""
 
     start: int
     stride: int
@@ -549,12 +550,15 @@ class DeAR:
         if sel.values.shape != (m,):
             raise RuntimeError(f"StridedShard.values has shape {tuple(sel.values.shape)}, expected ({m},)")
         n_flags = len(g.params)
+        if not sel.values.is_floating_point():
+            raise RuntimeError(f"StridedShard.values must be floating point, got {sel.values.dtype}")
         padded = -(-(m + n_flags) // self.world_size) * self.world_size
-        g.c_in = g.grad_buf.new_zeros(padded)
+        wire, dev = sel.values.dtype, g.grad_buf.device
+        g.c_in = torch.zeros(padded, dtype=wire, device=dev)
         g.c_in[:m] = sel.values
         g.c_in[m:m + n_flags] = g.grad_buf[g.numel:g.numel + n_flags]
-        g.c_shard = g.grad_buf.new_zeros(padded // self.world_size)
-        g.c_out = g.grad_buf.new_zeros(padded)
+        g.c_shard = torch.zeros(padded // self.world_size, dtype=wire, device=dev)
+        g.c_out = torch.zeros(padded, dtype=wire, device=dev)
         g.sel = sel
 
     def _finish_reduce(self) -> None:

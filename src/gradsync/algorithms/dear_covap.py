@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ..compressors.covap_shards import MAX_RATIO
 from ..options import option
-from .covap import CovapFilter
+from .covap import CAST_DTYPES, CASTS, CovapFilter
 from .dear import StridedShard
 from .dear_options import DearOptions
 from .spec import wrapper_algorithm
@@ -38,13 +38,21 @@ class CovapGradFilter:
     Args:
         ratio: K in [1, 32] (1 = no compression) or ``"auto"`` (K from :meth:`calibrate`).
         max_ratio: largest K ``"auto"`` may choose, in [1, 32].
+        cast: ``"fp16"``, ``"bf16"`` or ``None`` (default: the parameters' dtype): the selected
+            values are reduce-scattered and all-gathered in that dtype (half the bytes of float32);
+            the rounding error of the cast stays in the error-feedback residual, as with
+            ``covap``'s ``cast``.
 
     Raises:
-        ValueError: if ``ratio`` or ``max_ratio`` is outside [1, 32], or ``ratio`` above ``max_ratio``.
+        ValueError: if ``ratio`` or ``max_ratio`` is outside [1, 32], ``ratio`` above ``max_ratio``,
+            or ``cast`` not one of fp16, bf16, None.
     """
 
-    def __init__(self, ratio: int | str = 3, max_ratio: int = MAX_RATIO):
+    def __init__(self, ratio: int | str = 3, max_ratio: int = MAX_RATIO, cast: str | None = None):
         self.filter = CovapFilter(ratio, max_ratio=max_ratio)
+        if cast is not None and cast not in CAST_DTYPES:
+            raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
+        self.cast = cast
         self._dear: Any = None
 
     def bind(self, dear: Any) -> "CovapGradFilter":
@@ -75,27 +83,28 @@ class CovapGradFilter:
         return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
 
     def config(self) -> dict[str, Any]:
-        return {"covap_" + k if k == "ratio" else k: v for k, v in self.filter.config().items()}
+        return {**{"covap_" + k if k == "ratio" else k: v for k, v in self.filter.config().items()},
+                "cast": self.cast}
 
     def stats(self) -> dict[str, Any]:
         return self.filter.stats()
 
     def __call__(self, flat: torch.Tensor, step: int, group: int) -> Any:
         """Filter group ``group``'s flat gradient (1-D, ``numel`` elements) at iteration ``step``:
-        ``False`` (dropped this step), the tensor to send (group of one shard), or a
-        :class:`StridedShard` holding ``x[s::c]``."""
+        ``False`` (dropped this step), the tensor to send (group of one shard, no ``cast``), or a
+        :class:`StridedShard` holding ``x[s::c]`` (in the ``cast`` dtype when set)."""
         sizes = list(self._dear.group_sizes())
         old = self.filter.plan
         if old is not None and old.numels != tuple(sizes):
             log.warning("DeAR fusion groups changed; rebuilding the COVAP plan and dropping residuals")
             self.filter.memory.clear()
         self.filter.plan_for(sizes)
-        selected = self.filter.split(group, flat, step, step)
+        wire = CAST_DTYPES[self.cast] if self.cast is not None else flat.dtype
+        selected = self.filter.split(group, flat, step, step, send_dtype=wire)
         if selected is None:
             return False
-        shard, c, values = selected  # residuals stay float32; the wire carries the parameters' dtype
-        values = values.to(flat.dtype)
-        return values if c == 1 else StridedShard(shard, c, values)
+        shard, c, values = selected  # residuals stay float32, holding the rounding error of the wire dtype
+        return values if c == 1 and wire == flat.dtype else StridedShard(shard, c, values)
 
     def state_dict(self) -> dict[str, Any]:
         return self.filter.state_dict()
@@ -112,8 +121,11 @@ class DearCovapOptions(DearOptions):
     ratio: int | str = option(3, "COVAP compression ratio K: each gradient element is sent once every K iterations; "
                               "'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
     max_ratio: int = option(MAX_RATIO, "largest K that 'auto' may choose", low=1, high=MAX_RATIO)
+    cast: Optional[str] = option(None, "reduce-scatter and all-gather the selected shards as fp16 or bf16 (rounding "
+                              "error kept in the error-feedback residual); default: the parameters' dtype",
+                              choices=CASTS)
 
 
 SPEC = wrapper_algorithm("dear-covap", "COVAP's filter inside DeAR's pipeline: only the selected shards are "
                          "reduce-scattered and all-gathered (gradsync)", DearCovapOptions,
-                         lambda opts, ctx: CovapGradFilter(opts.ratio, opts.max_ratio))
+                         lambda opts, ctx: CovapGradFilter(opts.ratio, opts.max_ratio, opts.cast))
