@@ -144,6 +144,7 @@ EXPERIMENTS = [
                bench_table, root=True),
     Experiment("seeds", "Results: time to accuracy against the best peers, 3 seeds", [
         Run("bench", "bench", ["--hosts", "2", "--bandwidth", "15", *SEEDS]),
+        Run("bench-2hosts-10", "bench", ["--hosts", "2", "--bandwidth", "10", *SEEDS]),
         Run("bench-4hosts", "bench", ["--hosts", "4", "--bandwidth", "10", *SEEDS]),
     ], bench_table, root=True),
     Experiment("train-default", "Results: `gradsync train` (the default job)", [
