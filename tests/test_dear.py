@@ -181,10 +181,14 @@ def _buffers_at_forward(rank, world_size):
     seen = []
     mod.bn.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
     out = []
-    for t, (x, y) in enumerate(_batches(rank, 4)):
+    for t, (x, y) in enumerate(_batches(rank, 5)):
         if t == 2:
             with torch.no_grad():
                 mod(x * (rank + 2.0))  # training mode: updates the running statistics locally
+        if t == 3:  # every rank loads a checkpoint whose statistics differ from step()'s broadcast
+            state = {k: v + 1.0 if k.endswith("running_mean") else v for k, v in mod.state_dict().items()}
+            dist.broadcast(state["bn.running_mean"], src=0)
+            mod.load_state_dict(state)
         rank0 = mod.bn.running_mean.clone()
         dist.broadcast(rank0, src=0)
         seen.clear()
@@ -197,8 +201,9 @@ def _buffers_at_forward(rank, world_size):
 
 
 def test_buffers_broadcast_in_step_are_rank_0s_at_the_next_forward():
-    # step() broadcasts rank 0's buffers for the next forward; a forward in between (t == 2) must
-    # make that forward broadcast afresh, or rank 1 would start from rank 0's stale values
+    # step() broadcasts rank 0's buffers for the next forward; a forward (t == 2) or a loaded state
+    # dict (t == 3) in between must make that forward broadcast afresh, or every rank would start
+    # from the stale values
     for res in run_ranks(_buffers_at_forward, 2, timeout=90, pg_timeout=20):
         for rank0, start in res:
             assert start == pytest.approx(rank0, abs=0.0)

@@ -58,7 +58,8 @@ Differences from the reference code, all needed for "DeAR reproduces DDP + the s
   all-gathers (buffers do not change between the end of backward and the next forward, and a
   broadcast issued at the next forward would queue behind the all-gathers on the link: measured on 2
   emulated hosts at 20 Mbit/s, 20-65 ms per iteration); it is issued at the forward instead for the
-  first one, after :meth:`DeAR.no_sync` micro-batches, and when another forward ran since ``step()``.
+  first one, after :meth:`DeAR.no_sync` micro-batches, and when another forward ran or a state dict
+  was loaded into the model (on every rank) since ``step()``.
   Parameters and buffers are broadcast from rank 0 when the wrapper is built.
 * All collectives are launched from hook bodies or ``step()`` on the Python thread (never from
   ``Future`` callbacks), in an order identical on every rank.
@@ -371,6 +372,8 @@ class DeAR:
         # ---- hooks ----
         self._handles: list[Any] = []
         self._handles.append(model.register_forward_pre_hook(self._root_pre_hook, prepend=True))
+        for m in model.modules():  # loading buffers (e.g. a checkpoint) makes step()'s broadcast stale
+            self._handles.append(m.register_load_state_dict_pre_hook(self._drop_staged_buffers))
         for m, _ in self._modules:
             self._handles.append(m.register_forward_pre_hook(self._module_pre_hook))
         for _, ps in self._modules:
@@ -827,6 +830,9 @@ class DeAR:
                 # worker thread, so it then uses the all-gather group (only this thread issues there)
                 busy = self.reduce_scatter == "ring" and self._mid_iteration()
                 _unflatten_into(self._broadcast_buffers(self.ag_group if busy else self.rs_group))
+
+    def _drop_staged_buffers(self, *_: Any) -> None:
+        self._staged_buffers = None
 
     def _broadcast_buffers(self, group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rank 0's buffers, broadcast on ``group`` (the model's buffers are not written)."""
