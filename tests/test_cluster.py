@@ -123,27 +123,28 @@ def test_two_hosts_allreduce_matches_tbf_rate():
 
 @needs_root
 def test_teardown_when_body_raises_and_idempotent():
-    handler_before = signal.getsignal(signal.SIGINT)
+    handler_before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(RuntimeError, match="boom"):
         with EmulatedCluster(3, [50.0, 100.0, 100.0]) as c:
             assert c.label == "emulated 3 hosts, tbf 50/100/100 Mbit/s"
             assert "rate 50Mbit" in c.qdisc_show(0, bridge_side=True)
             sleeper = c.popen(2, [sys.executable, "-c", "import time; time.sleep(60)"])
-            assert signal.getsignal(signal.SIGINT) != handler_before
+            assert signal.getsignal(signal.SIGTERM) != handler_before
             raise RuntimeError("boom")
     assert sleeper.poll() is not None  # killed at teardown
     assert not any(n.startswith(c.prefix) for n in _netns())
-    assert signal.getsignal(signal.SIGINT) == handler_before
+    assert signal.getsignal(signal.SIGTERM) == handler_before
     c.close()
     with pytest.raises(ClusterError):
         c.popen(0, ["true"])
 
 
-@needs_root
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_in_owner_process_removes_everything(sig):
-    code = textwrap.dedent("""
-        import sys, time
+def _owner_process(sigint: str) -> tuple[subprocess.Popen, str]:
+    """A process that builds a 2-host cluster with SIGINT set to ``sigint`` ("default" or
+    "ignore": a background job of a script, or pytest run that way, inherits SIGINT ignored)."""
+    code = textwrap.dedent(f"""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.{'default_int_handler' if sigint == 'default' else 'SIG_IGN'})
         from gradsync.cluster import EmulatedCluster
         c = EmulatedCluster(2, 100.0).start()
         print(c.prefix, flush=True)
@@ -154,10 +155,32 @@ def test_signal_in_owner_process_removes_everything(sig):
                          stderr=subprocess.DEVNULL, text=True, env=env)
     prefix = p.stdout.readline().strip()
     assert prefix.startswith("gs") and any(n.startswith(prefix) for n in _netns())
+    return p, prefix
+
+
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_in_owner_process_removes_everything(sig):
+    p, prefix = _owner_process("default")
     p.send_signal(sig)
     rc = p.wait(timeout=20)
     assert rc != 0  # SIGTERM: killed by the re-raised signal; SIGINT: KeyboardInterrupt
     assert not any(n.startswith(prefix) for n in _netns())
+
+
+@needs_root
+def test_an_ignored_sigint_stays_ignored():
+    p, prefix = _owner_process("ignore")
+    try:
+        p.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=1)
+        assert any(n.startswith(prefix) for n in _netns()), "the cluster must survive an ignored SIGINT"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) != 0
+        assert not any(n.startswith(prefix) for n in _netns())
+    finally:
+        p.kill()
 
 
 @needs_root

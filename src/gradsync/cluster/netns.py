@@ -389,6 +389,8 @@ class EmulatedCluster:
         if threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # ignored on purpose (nohup, a background job of a script): keep it ignored
             try:
                 self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
             except (ValueError, OSError):  # pragma: no cover - non-main interpreter
