@@ -21,7 +21,8 @@ CLI = [sys.executable, "-m", "gradsync"]
 
 def train(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "run"
-    proc = subprocess.run(CLI + ["train", "--max-steps", "30", "--no-progress", "--out", str(out), *args],
+    proc = subprocess.run(CLI + ["train", "--max-steps", "30", "--no-progress", "--eval-samples", "2000", "--out", str(out),
+                                 *args],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradsync train: summary" in proc.stdout
@@ -37,7 +38,8 @@ def test_covap_auto_trains_and_writes_metrics(tmp_path):
                 "mean_compute_s", "wire_bytes_per_iteration", "dense_wire_bytes_per_iteration",
                 "payload_bytes_per_iteration", "compression_ratio", "ccr", "ratio"):
         assert key in s, key
-    assert s["world_size"] == 2 and s["steps"] == 30
+    assert s["world_size"] == 2 and s["steps"] == 30 and s["test_samples"] == 2000  # --eval-samples
+    assert "(2,000 test samples)" in stdout
     assert s["test_accuracy"] > 0.3, "well above chance (0.1) after 30 steps"
     assert 1 <= s["ratio"] <= 32
     assert len(metrics["iterations"]) == 30
@@ -100,7 +102,7 @@ def test_kjv_lstm_trains_and_reports_bits_per_char(tmp_path):
 @pytest.mark.parametrize("algorithm", ["covap", "dear"])
 def test_resume_from_checkpoint_continues_exactly(tmp_path, algorithm):
     common = ["train", "--algorithm", algorithm, *(["--ratio", "2"] if algorithm == "covap" else []), "--epochs", "2",
-              "--train-samples", "640", "--no-progress"]
+              "--train-samples", "640", "--eval-samples", "1000", "--no-progress"]
     full = subprocess.run(CLI + common + ["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "a")],
                           capture_output=True, text=True, timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]

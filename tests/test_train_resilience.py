@@ -73,7 +73,7 @@ def test_sigkill_of_one_rank_gives_one_message_and_the_resume_command(tmp_path):
 def _train(tmp_path, name, algorithm, *extra):
     out = tmp_path / name
     proc = subprocess.run(CLI + ["--algorithm", algorithm, *(["--ratio", "2"] if algorithm == "covap" else []), "--train-samples", "1280",
-                                 "--max-steps", "6", "--out", str(out), *extra],
+                                 "--max-steps", "6", "--eval-samples", "1000", "--out", str(out), *extra],
                           capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text()), proc

@@ -42,8 +42,6 @@ class BenchConfig(SharedConfig):
                                  low_open=True)
     to_accuracy: Optional[float] = option(None, "also train each algorithm until this test accuracy (0-1) and "
                                           "report the time", low=0.0, high=1.0, low_open=True)
-    eval_samples: Optional[int] = option(None, "evaluate --to-accuracy on the first N test samples (default: the "
-                                         "full test set; fewer is faster and noisier)", low=1)
     eval_every: int = option(50, "steps between time-to-accuracy evaluations", low=1, high=100_000)
     max_accuracy_steps: int = option(2000, "give up on --to-accuracy after this many steps", low=1,
                                      high=10_000_000)

@@ -22,7 +22,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("world size", str(s["world_size"])),
         *([("network", s["network"])] if "network" in s else []),
         ("epochs", f"{s['epochs']} ({s['steps']} steps)"),
-        ("final test accuracy", f"{s['test_accuracy'] * 100:.2f}%"),
+        ("final test accuracy", f"{s['test_accuracy'] * 100:.2f}%"
+                                + (f" ({s['test_samples']:,} test samples)" if "test_samples" in s else "")),
         ("samples/s", f"{s['samples_per_s']:.1f}"),
         ("mean iteration time", f"{s['mean_iteration_s'] * 1e3:.1f} ms"),
         ("mean compute time (fwd+bwd, no comm)", f"{s['mean_compute_s'] * 1e3:.1f} ms"),

@@ -25,6 +25,8 @@ class SharedConfig(Options):
     bucket_cap_mb: float = option(0.1, "DDP bucket size", low=0.0, high=1024.0, low_open=True, units="MB")
     data_dir: Optional[str] = option(None, "directory with the dataset files (default: where the Debian "
                                      "packages install them)")
+    eval_samples: Optional[int] = option(None, "evaluate on the first N test samples (default: the full test set; "
+                                         "fewer is faster and noisier)", low=1)
 
 
 @dataclass

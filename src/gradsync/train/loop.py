@@ -44,6 +44,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
     if cfg.train_samples is not None:
         train_x, train_y = train_x[:cfg.train_samples], train_y[:cfg.train_samples]
+    if cfg.eval_samples is not None:
+        test_x, test_y = test_x[:cfg.eval_samples], test_y[:cfg.eval_samples]
     sampler = DistributedSampler(TensorDataset(train_x), num_replicas=world, rank=rank,
                                  shuffle=True, seed=cfg.seed, drop_last=True)
     batches = BatchSampler(sampler, cfg.batch_size, drop_last=True)
@@ -175,6 +177,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         "steps": step,
         "test_accuracy": epoch_log[-1]["test_acc"],
         "test_loss": epoch_log[-1]["test_loss"],
+        "test_samples": int(test_x.shape[0]),
         "samples_per_s": step * cfg.batch_size * world / train_time,
         "mean_iteration_s": sum(iter_times) / len(iter_times),
         "mean_compute_s": compute.step_s,
