@@ -81,3 +81,13 @@ def test_dear_covap_cast_fp16_sends_half_the_bytes_and_tracks_fp32():
     for a, b in zip(f32, f16):
         assert not torch.any((b != 0) & (a == 0))  # same schedule (a tiny value may round to 0 in fp16)
         torch.testing.assert_close(b, a, rtol=5e-3, atol=1e-4)
+
+
+def test_dear_covap_cast_option_sets_the_wire_dtype_and_rejects_bad_values():
+    import pytest
+
+    assert CovapGradFilter(2, cast="fp16").wire_dtype == torch.float16  # what ratio=auto times the CCR in
+    assert CovapGradFilter(2).wire_dtype is None
+    assert CovapGradFilter(2, cast="bf16").config()["cast"] == "bf16"
+    with pytest.raises(ValueError, match="cast must be one of fp16, bf16"):
+        CovapGradFilter(2, cast="fp8")

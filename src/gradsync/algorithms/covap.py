@@ -59,6 +59,17 @@ CASTS = tuple(CAST_DTYPES)
 AUTO_ADAPT_EVERY = 20
 
 
+def cast_dtype(cast: Optional[str]) -> Optional[torch.dtype]:
+    """The wire dtype a ``cast`` option selects (``None``: no cast).
+
+    Raises:
+        ValueError: if ``cast`` is not one of fp16, bf16 or None.
+    """
+    if cast is not None and cast not in CAST_DTYPES:
+        raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
+    return CAST_DTYPES.get(cast) if cast is not None else None
+
+
 @dataclass(frozen=True)
 class CovapOptions(Options):
     """Options of ``covap``."""
@@ -246,10 +257,8 @@ class CovapState(HookState):
         super().__init__(process_group)
         self.filter = CovapFilter(ratio, lam0, ramp_steps, max_ratio)
         self.start_iter = check_int("start_iter", start_iter, 2)
-        if cast is not None and cast not in CAST_DTYPES:
-            raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
+        self.cast_dtype = cast_dtype(cast)
         self.cast = cast
-        self.cast_dtype = CAST_DTYPES.get(cast) if cast is not None else None
         adapt_every = check_int("adapt_every", 0 if adapt_every is None else adapt_every, 0)
         self.adapter = RatioAdapter(adapt_every, hysteresis, self.filter.max_ratio) if adapt_every else None
         self.timer = timer if timer is not None else (CommTimer() if self.adapter is not None else None)

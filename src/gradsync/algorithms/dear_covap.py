@@ -24,7 +24,7 @@ import torch
 
 from ..compressors.covap_shards import MAX_RATIO
 from ..options import option
-from .covap import CAST_DTYPES, CASTS, CovapFilter
+from .covap import CASTS, CovapFilter, cast_dtype
 from .dear import StridedShard
 from .dear_options import DearOptions
 from .spec import wrapper_algorithm
@@ -50,8 +50,7 @@ class CovapGradFilter:
 
     def __init__(self, ratio: int | str = 3, max_ratio: int = MAX_RATIO, cast: str | None = None):
         self.filter = CovapFilter(ratio, max_ratio=max_ratio)
-        if cast is not None and cast not in CAST_DTYPES:
-            raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
+        self.cast_dtype = cast_dtype(cast)
         self.cast = cast
         self._dear: Any = None
 
@@ -67,6 +66,12 @@ class CovapGradFilter:
     @property
     def plan(self) -> Any:
         return self.filter.plan
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype the selected shards travel in when ``cast`` is set (``None``: the parameters'),
+        for timing the CCR that ``"auto"`` is calibrated from."""
+        return self.cast_dtype
 
     @property
     def needs_ccr(self) -> bool:
@@ -99,7 +104,7 @@ class CovapGradFilter:
             log.warning("DeAR fusion groups changed; rebuilding the COVAP plan and dropping residuals")
             self.filter.memory.clear()
         self.filter.plan_for(sizes)
-        wire = CAST_DTYPES[self.cast] if self.cast is not None else flat.dtype
+        wire = self.cast_dtype or flat.dtype
         selected = self.filter.split(group, flat, step, step, send_dtype=wire)
         if selected is None:
             return False
@@ -121,9 +126,9 @@ class DearCovapOptions(DearOptions):
     ratio: int | str = option(3, "COVAP compression ratio K: each gradient element is sent once every K iterations; "
                               "'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
     max_ratio: int = option(MAX_RATIO, "largest K that 'auto' may choose", low=1, high=MAX_RATIO)
-    cast: Optional[str] = option(None, "reduce-scatter and all-gather the selected shards as fp16 or bf16 (rounding "
-                              "error kept in the error-feedback residual); default: the parameters' dtype",
-                              choices=CASTS)
+    cast: Optional[str] = option(None, "reduce-scatter and all-gather the selected shards as fp16 or bf16 "
+                                 "(rounding error kept in the error-feedback residual); default: the parameters' "
+                                 "dtype", choices=CASTS)
 
 
 SPEC = wrapper_algorithm("dear-covap", "COVAP's filter inside DeAR's pipeline: only the selected shards are "
