@@ -20,7 +20,8 @@ CLI = [sys.executable, "-m", "gradsync"]
 def test_bench_smoke_reports_every_field(tmp_path):
     proc = subprocess.run(CLI + ["bench", "--hosts", "2", "--steps", "3", "--warmup", "1", "--rounds", "2",
                                  "--algorithms", "allreduce,covap,dear-covap", "--ratio", "2",
-                                 "--to-accuracy", "0.3", "--eval-every", "5", "--max-accuracy-steps", "60", "--eval-samples", "500",
+                                 "--to-accuracy", "0.3", "--eval-every", "5", "--max-accuracy-steps", "60",
+                                 "--eval-samples", "500",
                                  "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradsync bench" in proc.stdout and "loopback, NOT shaped" in proc.stdout

@@ -172,9 +172,10 @@ def test_batchnorm_buffers(max_allgathers):
 
 
 def _buffers_at_forward(rank, world_size):
-    """DeAR on a BatchNorm model; between step() and the next training forward a no-grad
-    training-mode forward changes the buffers (differently on each rank). Return, per training
-    forward, rank 0's buffers just before it and the buffers the forward starts from."""
+    """DeAR on a BatchNorm model; between step() and the next training forward, a no-grad
+    training-mode forward changes the buffers (differently on each rank) before step 2, and every
+    rank loads the same state dict before step 3. Return, per training forward, rank 0's buffers
+    just before it and the buffers the forward starts from."""
     torch.manual_seed(0)
     mod = MLP(bn=True)
     dear = DeAR(mod, torch.optim.SGD(mod.parameters(), lr=0.05), fusion_mb=TINY_MB)

@@ -21,8 +21,8 @@ CLI = [sys.executable, "-m", "gradsync"]
 
 def train(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "run"
-    proc = subprocess.run(CLI + ["train", "--max-steps", "30", "--no-progress", "--eval-samples", "2000", "--out", str(out),
-                                 *args],
+    proc = subprocess.run(CLI + ["train", "--max-steps", "30", "--no-progress", "--eval-samples", "2000",
+                                 "--out", str(out), *args],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradsync train: summary" in proc.stdout

@@ -65,9 +65,11 @@ def cast_dtype(cast: Optional[str]) -> Optional[torch.dtype]:
     Raises:
         ValueError: if ``cast`` is not one of fp16, bf16 or None.
     """
-    if cast is not None and cast not in CAST_DTYPES:
+    if cast is None:
+        return None
+    if cast not in CAST_DTYPES:
         raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
-    return CAST_DTYPES.get(cast) if cast is not None else None
+    return CAST_DTYPES[cast]
 
 
 @dataclass(frozen=True)
