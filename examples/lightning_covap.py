@@ -76,6 +76,8 @@ def main() -> None:
     print(f"rank {trainer.global_rank}: covap put {s['wire_bytes']:.0f} bytes on the wire, "
           f"dense all-reduce {s['dense_wire_bytes']:.0f} "
           f"(compression {s['compression_ratio']:.2f}x over {s['iteration']} iterations)", flush=True)
+    if torch.distributed.is_initialized():  # Lightning keeps the group; shut it down before exit
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

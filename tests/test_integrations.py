@@ -58,6 +58,17 @@ def _residual_sums(state) -> dict[str, float]:
     return {str(k): float(v.double().abs().sum()) for k, v in state.filter.memory.residuals.items()}
 
 
+def _destroy_process_group() -> None:
+    """Shut the default process group down before the job exits (Lightning keeps it for the next
+    fit): a Gloo group left to interpreter teardown aborted a rank once ("terminate called without
+    an active exception", SIGABRT) after every fit had finished, failing an otherwise passing run."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _lightning_job(out: Path) -> None:
     import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
     import lightning.pytorch as L
@@ -135,6 +146,7 @@ def _lightning_job(out: Path) -> None:
         result[prefix + "resume_seen"] = probe.seen
     rank = int(os.environ["RANK"])
     (out / f"lightning_rank{rank}.json").write_text(json.dumps(result))
+    _destroy_process_group()
 
 
 def _accelerate_job(out: Path) -> None:
@@ -192,6 +204,7 @@ def _accelerate_job(out: Path) -> None:
     except Exception as exc:
         result["resume_error"] = f"{type(exc).__name__}: {exc}"
     (out / f"accelerate_rank{rank}.json").write_text(json.dumps(result))
+    _destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------------
