@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,integrations]'
+	$(PY) -m pip install -q -e '.[all]'
 	touch $@
 
 # Real datasets from Debian: Fashion-MNIST idx files and the King James Bible text.

@@ -162,7 +162,7 @@ def _train(args: argparse.Namespace) -> int:
     print_summary(result)
     if cfg.out:
         metrics, curves = write_outputs(result, cfg.out)
-        print(f"wrote {metrics} and {curves}")
+        print(f"wrote {metrics}" + (f" and {curves}" if curves else ""))
     return 0
 
 

@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..extras import pyplot
 from ..report.training import fmt_bytes
 
 
@@ -60,16 +61,14 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``bench.json``, ``breakdown.png`` (stacked compute / compression / exposed communication
     per algorithm), with time-to-accuracy data ``accuracy.png`` (test accuracy against training
     seconds, one line per algorithm and seed) and, when a row logs COVAP's ratio per step (``covap_k``), ``ratio.png`` (K per timed
-    step, rounds one after another)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    step, rounds one after another); only the JSON where matplotlib (the ``bench`` extra) is missing."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json"]
     paths[0].write_text(json.dumps(result, indent=1))
+    plt = pyplot("bench figures")
+    if plt is None:
+        return paths
     rows = result["rows"]
     names = [r["algorithm"] for r in rows]
     compute = [result["compute_only_s"] * 1e3] * len(rows)
@@ -114,7 +113,7 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
 
 def _save(fig: Any, ax: Any, path: Path) -> Path:
     """Add the legend, lay out, write ``fig`` to ``path`` (PNG, 110 dpi), close it; returns ``path``."""
-    import matplotlib.pyplot as plt
+    plt = pyplot(str(path))
 
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -79,24 +79,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradsync.extras import require
 from gradsync.validation import check_float, check_int
 
-try:  # imported lazily so the rest of gradsync works without the coder library
-    import constriction
-except ImportError:  # pragma: no cover - exercised only where constriction is missing
-    constriction = None
-
-try:
-    import zstandard
-except ImportError:  # pragma: no cover
-    zstandard = None
+constriction = require("constriction", "gradsync.coding (OSCAR's ASC)")
+zstandard = require("zstandard", "gradsync.coding (OSCAR's ASC)")
 
 HEADER_BYTES = 8
-
-
-def _require_constriction() -> None:
-    if constriction is None:
-        raise ImportError("gradsync.coding.asc needs the 'constriction' package (pip install constriction)")
 
 
 def _as_numpy_int(values: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -185,9 +174,7 @@ def encode_with_counts(
 
     Raises:
         ValueError: if a value lies outside ``[-max_abs, max_abs]``.
-        ImportError: if ``constriction`` is not installed.
     """
-    _require_constriction()
     return _encode_symbols(_as_int32(values), counts, max_abs, alpha)[0]
 
 
@@ -207,7 +194,6 @@ def decode_with_counts(
     Raises:
         ValueError: if the payload is shorter than the header or its range is invalid.
     """
-    _require_constriction()
     return torch.from_numpy(_decode_symbols(payload, numel, counts, max_abs, alpha)[0]).to(torch.int64)
 
 
@@ -267,7 +253,6 @@ class ASCRingCoder:
 
     def encode(self, phase: str, step: int, chunk: int, values: torch.Tensor) -> torch.Tensor:
         """Ring encode callback; updates the send model of ``step`` after encoding (reduce-scatter)."""
-        _require_constriction()
         v = _as_int32(values)
         if phase == "rs":
             out, sym, lo = _encode_symbols(v, self.send_counts[step], self.max_abs, self.alpha)
@@ -278,7 +263,6 @@ class ASCRingCoder:
     def decode(self, phase: str, step: int, chunk: int, payload: torch.Tensor, numel: int) -> torch.Tensor:
         """Ring decode callback; updates the receive model of ``step`` after decoding. Returns a
         ``(numel,)`` int32 tensor."""
-        _require_constriction()
         if phase == "rs":
             vals, sym, lo = _decode_symbols(payload, numel, self.recv_counts[step], self.max_abs, self.alpha)
             self._update_symbols(self.recv_counts[step], sym, lo, numel)
@@ -329,10 +313,8 @@ def zlib_size(values: torch.Tensor | np.ndarray, max_abs: int, level: int = 6) -
     return len(zlib.compress(raw_bytes(values, max_abs), level))
 
 
-def zstd_size(values: torch.Tensor | np.ndarray, max_abs: int, level: int = 3) -> int | None:
-    """Bytes of zstandard level ``level`` of ``raw_bytes(values)``; ``None`` without ``zstandard``."""
-    if zstandard is None:
-        return None
+def zstd_size(values: torch.Tensor | np.ndarray, max_abs: int, level: int = 3) -> int:
+    """Bytes of zstandard level ``level`` of ``raw_bytes(values)``."""
     return len(zstandard.ZstdCompressor(level=level).compress(raw_bytes(values, max_abs)))
 
 
@@ -426,7 +408,7 @@ def measure_ring_coding(
         alpha, decay: ASC model parameters (see :class:`ASCRingCoder`).
 
     Returns:
-        dict with byte totals ``asc``, ``raw``, ``static``, ``zlib``, ``zstd`` (None without zstandard)
+        dict with byte totals ``asc``, ``raw``, ``static``, ``zlib``, ``zstd``
         , ``per_step_max_mean`` (mean over iterations and ring steps of max/mean bytes across ranks,
         ASC) and ``asc_encode_seconds`` / ``asc_decode_seconds`` (summed over all simulated ranks).
 
@@ -467,8 +449,7 @@ def measure_ring_coding(
                 tot["raw"] += len(raw_bytes(vals, max_abs))
                 tot["static"] += static.size((phase, s, r), vals)
                 tot["zlib"] += zlib_size(vals, max_abs)
-                z = zstd_size(vals, max_abs)
-                tot["zstd"] = None if z is None or tot["zstd"] is None else tot["zstd"] + z
+                tot["zstd"] += zstd_size(vals, max_abs)
             else:
                 static.size((phase, s, r), vals)  # the table is profiled on the first iteration
         full = torch.stack([v.to(torch.int64) for v in vecs]).sum(0)

@@ -30,13 +30,16 @@ it resumes from a checkpoint.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
+from ..extras import require
 from ..workloads.vision import torchvision_models
 
-torchvision_models()  # torchmetrics (imported by Lightning) imports torchvision; make it importable first
+if importlib.util.find_spec("torchvision") is not None:
+    torchvision_models()  # torchmetrics (imported by Lightning) imports torchvision; make it importable first
 
-import lightning.pytorch as pl  # noqa: E402
+pl = require("lightning.pytorch", "gradsync.integrations.lightning")
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 

@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..extras import require
+
 __all__ = ["plot_scaling"]
 
 
@@ -26,8 +28,8 @@ def plot_scaling(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]
     for k in ("algorithm", "world_size", "bandwidth_gbps", "scaling_efficiency"):
         if k not in rows[0]:
             raise ValueError(f"rows lack key {k!r}; pass the output of sweep()")
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    FigureCanvasAgg = require("matplotlib.backends.backend_agg", "the scaling plot").FigureCanvasAgg
+    Figure = require("matplotlib.figure", "the scaling plot").Figure
 
     bws = sorted({r["bandwidth_gbps"] for r in rows})
     algos = list(dict.fromkeys(r["algorithm"] for r in rows))

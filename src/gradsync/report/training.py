@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..extras import pyplot
+
 
 def fmt_bytes(n: float) -> str:
     """Human-readable byte count (B, KB, MB, GB; powers of 1000)."""
@@ -52,18 +54,17 @@ def print_summary(result: dict[str, Any]) -> None:
     Console(width=max(console.width, 130)).print(table)
 
 
-def write_outputs(result: dict[str, Any], out: str | Path) -> tuple[Path, Path]:
+def write_outputs(result: dict[str, Any], out: str | Path) -> tuple[Path, Path | None]:
     """Write ``metrics.json`` (config, summary, per-iteration and per-epoch records) and
-    ``curves.png`` (training loss and test accuracy against wall-clock seconds) into ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    ``curves.png`` (training loss and test accuracy against wall-clock seconds) into ``out``; the
+    figure's path is ``None`` where matplotlib (the ``bench`` extra) is missing."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     metrics = out / "metrics.json"
     metrics.write_text(json.dumps(result, indent=1, default=str))
+    plt = pyplot("curves.png")
+    if plt is None:
+        return metrics, None
 
     its, eps = result["iterations"], result["epochs"]
     adaptive = [i for i in its if "compression_factor" in i]

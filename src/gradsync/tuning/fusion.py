@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import collective_device
+from ..extras import require
 from ..validation import check_float, check_int
 
 LOW_MB = 1.0
@@ -95,12 +96,7 @@ class FusionTuner:
         self.xi = check_float("xi", xi, 0.0, None)
         self.seed = check_int("seed", seed, 0, 2**32 - 1)
         self.process_group = process_group
-        try:  # fail on every rank now, not on rank 0 only in the middle of training
-            import bayes_opt  # noqa: F401
-        except ImportError as exc:
-            raise ImportError(
-                "fusion tuning needs the bayesian-optimization package (pip install bayesian-optimization)"
-            ) from exc
+        require("bayes_opt", "fusion tuning (fusion_mb='auto')")  # on every rank now, not mid-training
         self.history: list[TrialRecord] = []
         self.best_mb: float | None = None
         self.done = False

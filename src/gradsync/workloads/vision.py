@@ -71,8 +71,8 @@ def torchvision_models() -> types.ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name != "torchvision":
             raise
-        raise ImportError("torchvision is not installed: pip install torchvision==0.28.0 "
-                          "(the release for torch 2.13.0)") from exc
+        raise ImportError("torchvision models need the 'torchvision' package, which is not installed: "
+                          "pip install 'gradsync[vision]'") from exc
     except RuntimeError as exc:
         if "torchvision::" not in str(exc) or _shim_library is not None:
             raise

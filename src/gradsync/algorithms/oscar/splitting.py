@@ -72,17 +72,19 @@ back to error feedback), ``probable_zero_fraction`` (mean |A| / n). Means over n
 
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from gradsync.algorithms.base import HookState
-from gradsync.coding.asc import ASCRingCoder
 from gradsync.comm.collectives import all_gather_flat
 from gradsync.comm.ring import balanced_bounds, equal_bounds, ring_all_reduce_coded
 from gradsync.compressors.countsketch import DEFAULT_SEED, CountSketch, HashCache, sketch_cols
 from gradsync.validation import check_choice, check_float, check_int
+
+if TYPE_CHECKING:  # gradsync.coding needs the 'oscar' extra; only mode='asc' imports it
+    from gradsync.coding.asc import ASCRingCoder
 
 from .bucket_worker import OrderedBucketWorker, reduce_bucket
 from .quantiser import default_levels, quantise, wire_dtype
@@ -159,6 +161,7 @@ class OscarState(OrderedBucketWorker, HookState):
     Raises:
         ValueError: for any argument outside its range; at the first compressed bucket, if
             ``mode="asc"`` and ``P * levels > 2**24``.
+        ImportError: for ``mode="asc"`` without the ``oscar`` extra (``constriction``, ``zstandard``).
     """
 
     def __init__(
@@ -188,6 +191,8 @@ class OscarState(OrderedBucketWorker, HookState):
         self.cache_hashes = bool(check_choice("cache_hashes", cache_hashes, [True, False]))
         self._hash_cache = HashCache()
         self.mode = check_choice("mode", mode, ["sw", "asc"])
+        if self.mode == "asc":  # fail at construction, on every rank, when the 'oscar' extra is missing
+            import gradsync.coding.asc  # noqa: F401
         self.levels = None if levels is None else check_int("levels", levels, 1, 32767)
         self.rounding = check_choice("rounding", rounding, ["stochastic", "nearest"])
         self.sketch = bool(check_choice("sketch", sketch, [True, False]))
@@ -205,7 +210,7 @@ class OscarState(OrderedBucketWorker, HookState):
         self.error: dict[int, torch.Tensor] = {}
         self.prev_agg: dict[int, torch.Tensor] = {}
         self.zero_mask: dict[int, torch.Tensor] = {}
-        self.coders: dict[int, ASCRingCoder] = {}
+        self.coders: dict[int, "ASCRingCoder"] = {}
         self._generator: torch.Generator | None = None
         self._rng_state: torch.Tensor | None = None
         # statistics (wire_bytes and payload_bytes: HookState's counters)
@@ -246,7 +251,12 @@ class OscarState(OrderedBucketWorker, HookState):
         self.error = {int(k): v.clone() for k, v in state["error"].items()}
         self.prev_agg = {int(k): v.clone() for k, v in state["prev_agg"].items()}
         self.zero_mask = {int(k): v.clone() for k, v in state["zero_mask"].items()}
-        self.coders = {int(k): ASCRingCoder.from_state_dict(c) for k, c in state["coders"].items()}
+        if state["coders"]:
+            from gradsync.coding.asc import ASCRingCoder
+
+            self.coders = {int(k): ASCRingCoder.from_state_dict(c) for k, c in state["coders"].items()}
+        else:
+            self.coders = {}
         self._generator = None
         self._rng_state = None if state["rng_state"] is None else state["rng_state"].clone()
 
@@ -444,6 +454,8 @@ class OscarState(OrderedBucketWorker, HookState):
             raise ValueError(f"mode='asc' needs world_size * levels <= 2**24, got {max_abs}")
         coder = self.coders.get(key)
         if coder is None or coder.max_abs != max_abs or coder.world_size != p:
+            from gradsync.coding.asc import ASCRingCoder
+
             coder = ASCRingCoder(p, max_abs, alpha=self.asc_alpha, decay=self.asc_decay)
             self.coders[key] = coder
         qb = q[idx_b].contiguous()
@@ -482,7 +494,7 @@ class OscarState(OrderedBucketWorker, HookState):
                 self._balance_global.append(float((per_step.max(0).values[ok] / mean[ok]).mean()))
 
     @staticmethod
-    def _element_costs(coder: ASCRingCoder, prev_vals: torch.Tensor | None, m: int) -> torch.Tensor:
+    def _element_costs(coder: "ASCRingCoder", prev_vals: torch.Tensor | None, m: int) -> torch.Tensor:
         """Estimated coded bits per element: ``-log2 p(prev aggregate value)`` under the shared
         all-gather model (identical on every rank); uniform before any history."""
         counts = torch.from_numpy(coder.ag_counts)

@@ -1,0 +1,152 @@
+"""The wheel installs into an existing PyTorch environment with only the core dependencies.
+
+A fresh venv sees the test environment's torch (and torch's own dependencies) through a ``.pth``
+file, as a user's environment with torch already installed would; ``pip install gradsync-*.whl``
+must then install no other torch and none of the extras; the covap hook must run on a 2-process
+Gloo DDP job there; and each optional module must fail with the extra that installs it.
+Needs pip's access to PyPI (the core's numpy, rich, tqdm; setuptools for the build), as ``make
+test`` has.
+"""
+
+import importlib.metadata as md
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXTRA_MODULES = ["matplotlib", "bayes_opt", "constriction", "zstandard", "torchvision", "lightning", "accelerate"]
+
+JOB = textwrap.dedent("""
+    import os, sys, datetime
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(rank, world, port):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        from gradsync.algorithms import build_hook
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state, hook = build_hook("covap", model=model, ratio=2)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(torch.randn(8, 16, generator=g)), torch.randint(0, 4, (8,), generator=g)).backward()
+            opt.step()
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(params) for _ in range(world)]
+        dist.all_gather(gathered, params)
+        assert torch.equal(gathered[0], gathered[1]), "replicas differ"
+        if rank == 0:
+            s = state.stats()
+            print(f"COVAP_OK iteration={s['iteration']} compression_ratio={s['compression_ratio']:.4f}")
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(run, args=(2, int(sys.argv[1])), nprocs=2)
+""")
+
+MISSING = textwrap.dedent("""
+    import importlib
+    checks = {
+        "gradsync.coding": ("oscar", lambda: importlib.import_module("gradsync.coding")),
+        "oscar-asc": ("oscar", lambda: importlib.import_module("gradsync.algorithms").build_hook("oscar-asc")),
+        "torchvision": ("vision", lambda: importlib.import_module("gradsync.workloads.vision").torchvision_models()),
+        "fusion tuner": ("tune", lambda: importlib.import_module("gradsync.tuning.fusion").FusionTuner()),
+        "lightning": ("integrations", lambda: importlib.import_module("gradsync.integrations.lightning")),
+    }
+    for what, (extra, call) in checks.items():
+        try:
+            call()
+        except ImportError as exc:
+            assert f"pip install 'gradsync[{extra}]'" in str(exc), (what, str(exc))
+            print("CLEAR", what, "->", extra)
+        else:
+            raise AssertionError(f"{what} imported without the {extra} extra")
+""")
+
+
+def _closure(name: str, seen: set[str]) -> set[str]:
+    """``name`` and every distribution it requires (without extras), as installed here."""
+    key = re.sub(r"[-_.]+", "-", name).lower()
+    if key in seen:
+        return seen
+    seen.add(key)
+    for req in md.requires(name) or []:
+        if "extra ==" in req:
+            continue
+        dep = re.split(r"[ ;<>=!~\[(]", req, maxsplit=1)[0]
+        try:
+            md.distribution(dep)
+        except md.PackageNotFoundError:
+            continue  # a platform-conditional requirement not installed here
+        _closure(dep, seen)
+    return seen
+
+
+def _expose_existing_torch(target: Path) -> None:
+    """Symlink torch and its installed dependencies (packages and dist-info) into ``target``."""
+    target.mkdir()
+    for name in _closure("torch", set()):
+        dist = md.distribution(name)
+        tops = {Path(str(f)).parts[0] for f in dist.files or []} - {"..", "bin"}
+        for top in tops:
+            src = Path(dist.locate_file(top))
+            if src.exists() and not (target / top).exists():
+                (target / top).symlink_to(src)
+
+
+@pytest.mark.timeout(600)
+def test_wheel_installs_beside_existing_torch_with_core_dependencies_only(tmp_path):
+    dist_dir = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist_dir), str(REPO)],
+                   check=True, timeout=300)
+    wheel = next(dist_dir.glob("gradsync-*.whl"))
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.check_output([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                        text=True).strip())
+    _expose_existing_torch(tmp_path / "existing")
+    (site / "existing-torch.pth").write_text(str(tmp_path / "existing") + "\n")
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    install = subprocess.run([str(py), "-m", "pip", "install", "--disable-pip-version-check", str(wheel)],
+                             env=env, capture_output=True, text=True, timeout=400)
+    assert install.returncode == 0, install.stdout + install.stderr
+    installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
+    assert "torch" not in installed and not (site / "torch").exists(), "pip installed another torch"
+    assert {"gradsync", "numpy", "rich", "tqdm"} <= installed, installed
+    for module in EXTRA_MODULES:
+        assert not (site / module).exists(), f"{module} (an extra) was installed with the core"
+
+    where = subprocess.run([str(py), "-c", "import gradsync, torch; print(gradsync.__file__); print(torch.__file__)"],
+                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert where.returncode == 0, where.stderr
+    gradsync_file, torch_file = where.stdout.split()
+    assert gradsync_file.startswith(str(site)), "the test imported gradsync from somewhere else"
+    assert torch_file.startswith(str(tmp_path / "existing")), torch_file
+
+    (tmp_path / "job.py").write_text(JOB)
+    port = 29000 + os.getpid() % 2000
+    job = subprocess.run([str(py), str(tmp_path / "job.py"), str(port)], env=env, capture_output=True, text=True,
+                         timeout=240, cwd=tmp_path)
+    assert job.returncode == 0, job.stdout + job.stderr
+    ratio = float(re.search(r"COVAP_OK iteration=6 compression_ratio=([0-9.]+)", job.stdout).group(1))
+    assert 1.4 < ratio <= 1.5, job.stdout  # 2 dense start-up iterations, then 4 at K=2: 6/4 of the dense bytes
+
+    (tmp_path / "missing.py").write_text(MISSING)
+    missing = subprocess.run([str(py), str(tmp_path / "missing.py")], env=env, capture_output=True, text=True,
+                             timeout=240, cwd=tmp_path)
+    assert missing.returncode == 0, missing.stdout + missing.stderr
+    assert missing.stdout.count("CLEAR") == 5, missing.stdout
