@@ -54,6 +54,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hosts", type=int, default=None,
                    help="run the ranks on this many emulated hosts (network namespaces, needs root and "
                         "--bandwidth); --workers then defaults to hosts and must be a multiple of it")
+    p.add_argument("--launcher", choices=["local", "torchrun"], default="local",
+                   help="with --hosts: 'local' starts the ranks itself; 'torchrun' starts one torchrun agent per "
+                        "emulated host (c10d rendezvous across the hosts, --workers / --hosts processes each), "
+                        "as on real nodes")
     _add_network_arguments(p)
     p.set_defaults(workers=None)  # None: not given (2 on loopback, --hosts on an emulated cluster)
     _add_algorithm_options(p)
@@ -140,6 +144,9 @@ def _train(args: argparse.Namespace) -> int:
     from .workloads import get_workload
 
     workers, hosts, rates = _train_network(args)
+    if args.launcher == "torchrun" and hosts is None:
+        raise ValueError("launcher torchrun starts agents on emulated hosts: give --hosts and --bandwidth "
+                         "(on real nodes run torchrun yourself, see the README)")
     values = dict(values_from_args(TrainConfig, args), workers=workers)
     cfg = TrainConfig(**values, options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
     try:  # fail before spawning workers when the data is absent
@@ -154,6 +161,8 @@ def _train(args: argparse.Namespace) -> int:
         result, label, changes = _train_on_cluster(args, cfg, hosts, rates)
         if result is None:
             return 2
+        if isinstance(result, int):  # torchrun agents: rank 0 reported
+            return result
     if result is None:
         return 0
     result["network"] = result["summary"]["network"] = label
@@ -193,6 +202,8 @@ def _train_on_cluster(args: argparse.Namespace, cfg, hosts: int, rates: list[flo
         if steps is not None:
             schedule = BandwidthSchedule(cluster, steps).start()
         try:
+            if args.launcher == "torchrun":
+                return _torchrun_on_cluster(args, cfg, cluster, label), label, None
             result = launch_on_cluster(cfg, cluster)
         finally:
             if schedule is not None:
@@ -200,6 +211,36 @@ def _train_on_cluster(args: argparse.Namespace, cfg, hosts: int, rates: list[flo
         return result, label, (schedule.applied if schedule is not None else None)
     finally:
         cluster.close()
+
+
+#: Options of the emulated cluster, which the torchrun agents' own ``gradsync train`` must not see.
+_CLUSTER_OPTIONS = ("--hosts", "--bandwidth", "--bandwidth-schedule", "--latency", "--burst", "--launcher", "--workers")
+
+
+def _torchrun_on_cluster(args: argparse.Namespace, cfg, cluster, label: str) -> int:
+    """Run this ``gradsync train`` command as one torchrun agent per host of ``cluster``
+    (:mod:`gradsync.cluster.torchrun`); rank 0 prints the summary and writes the outputs. Returns
+    the exit code (the largest of the agents')."""
+    import os
+
+    from .cluster.torchrun import TorchrunNodes, wait_all
+    from .comm.rendezvous import free_port
+    from .train.launcher import EMULATED_NETWORK_VAR
+
+    argv, skip = [], False
+    for a in args.argv[1:]:  # drop "train" and the cluster's own options
+        if skip:
+            skip = False
+        elif a in _CLUSTER_OPTIONS:
+            skip = True
+        elif not a.startswith(tuple(o + "=" for o in _CLUSTER_OPTIONS)):
+            argv.append(a)
+    nodes = TorchrunNodes(nproc_per_node=cfg.workers // cluster.hosts, port=free_port(), rdzv_id=f"gs{os.getpid()}")
+    env = dict(os.environ, **{EMULATED_NETWORK_VAR: label})
+    print(f"torchrun: {cluster.hosts} agents x {nodes.nproc_per_node} processes, rendezvous at "
+          f"{cluster.address(0)}:{nodes.port}", flush=True)
+    codes = wait_all(nodes.start(cluster, "gradsync", ["train", *argv], env=env), timeout_s=7 * 24 * 3600)
+    return max(codes)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -398,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except ValueError as exc:

@@ -22,6 +22,10 @@ from ..launch import LocalRanks, RankFailure, run_module_ranks
 from .config import TrainConfig
 
 
+#: Set by ``gradsync train --launcher torchrun`` in its agents' environment: the emulated network's label.
+EMULATED_NETWORK_VAR = "GRADSYNC_EMULATED_NETWORK"
+
+
 def under_torchrun() -> bool:
     """True when the process was started by torchrun (or another launcher setting its variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
@@ -126,6 +130,8 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 def network_label(cfg: TrainConfig) -> str:
     """How a run without an emulated cluster communicates, for the summary and ``metrics.json``."""
     if under_torchrun():
+        if os.environ.get(EMULATED_NETWORK_VAR):  # agents started by gradsync train --launcher torchrun
+            return f"torchrun agents on {os.environ[EMULATED_NETWORK_VAR]}"
         return f"torchrun (MASTER_ADDR {os.environ['MASTER_ADDR']}), the real network, not emulated"
     return "loopback, NOT shaped (no --hosts/--bandwidth)"
 
