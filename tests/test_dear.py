@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -172,20 +173,25 @@ def test_batchnorm_buffers(max_allgathers):
 
 
 def _buffers_at_forward(rank, world_size):
-    """DeAR on a BatchNorm model; between step() and the next training forward, a no-grad
-    training-mode forward changes the buffers (differently on each rank) before step 2, and every
-    rank loads the same state dict before step 3. Return, per training forward, rank 0's buffers
-    just before it and the buffers the forward starts from."""
+    """DeAR on a BatchNorm model; between step() and the next training forward, every rank runs a
+    no-grad training-mode forward that changes its buffers (differently on each rank) before steps 2
+    and 4, followed by ``sync_buffers()`` before step 4, and every rank loads the same state dict
+    before step 3. Return, per training forward, rank 0's buffers just before it, rank 0's buffers
+    at the previous step() and the buffers the forward starts from."""
     torch.manual_seed(0)
     mod = MLP(bn=True)
     dear = DeAR(mod, torch.optim.SGD(mod.parameters(), lr=0.05), fusion_mb=TINY_MB)
     seen = []
     mod.bn.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
     out = []
+    at_step = mod.bn.running_mean.clone()
+    dist.broadcast(at_step, src=0)
     for t, (x, y) in enumerate(_batches(rank, 5)):
-        if t == 2:
+        if t in (2, 4):
             with torch.no_grad():
                 mod(x * (rank + 2.0))  # training mode: updates the running statistics locally
+        if t == 4:
+            dear.sync_buffers()
         if t == 3:  # every rank loads a checkpoint whose statistics differ from step()'s broadcast
             state = {k: v + 1.0 if k.endswith("running_mean") else v for k, v in mod.state_dict().items()}
             dist.broadcast(state["bn.running_mean"], src=0)
@@ -195,19 +201,23 @@ def _buffers_at_forward(rank, world_size):
         seen.clear()
         dear.zero_grad()
         nn.CrossEntropyLoss()(dear(x), y).backward()
-        out.append((rank0, seen[0]))
+        out.append((rank0.tolist(), at_step.tolist(), seen[-1].tolist()))
         dear.step()
+        at_step = mod.bn.running_mean.clone()
+        dist.broadcast(at_step, src=0)
     dear.flush()
-    return [(a.tolist(), b.tolist()) for a, b in out]
+    return out
 
 
 def test_buffers_broadcast_in_step_are_rank_0s_at_the_next_forward():
-    # step() broadcasts rank 0's buffers for the next forward; a forward (t == 2) or a loaded state
-    # dict (t == 3) in between must make that forward broadcast afresh, or every rank would start
-    # from the stale values
+    # step() broadcasts rank 0's buffers for the next training forward. A no-grad forward in between
+    # (t == 2) is overridden by them (no forward broadcasts: the collectives cannot depend on which
+    # forwards a rank ran), unless sync_buffers() was called (t == 4); a state dict loaded on every
+    # rank (t == 3) is kept
     for res in run_ranks(_buffers_at_forward, 2, timeout=90, pg_timeout=20):
-        for rank0, start in res:
-            assert start == pytest.approx(rank0, abs=0.0)
+        for t, (rank0, at_step, start) in enumerate(res):
+            assert start == (at_step if t == 2 else rank0), t
+        assert res[2][0] != res[2][1]  # the no-grad forward changed rank 0's statistics
 
 
 def test_regroup_mid_run():
@@ -363,3 +373,72 @@ def test_tuner_finds_minimum_and_validates():
                    {"xi": -1}, {"warmup": -1}):
         with pytest.raises(ValueError):
             FusionTuner(**kwargs)
+
+
+def _rank0_forward(rank, world_size, mode, max_allgathers):
+    """DDP and DeAR side by side on a BatchNorm model; after every step() rank 0 alone runs an extra
+    forward before the next training forward (a logging forward): ``"eval"`` (eval mode, no grad),
+    ``"train"`` (training mode under no_grad: updates rank 0's running statistics) or
+    ``"train-grad"`` (training mode with grad enabled, no backward: DeAR applies the pending update
+    on rank 0 first). DDP's extra forward runs on ``ddp.module``. Returns the losses, the parameters
+    and buffers after the last update, and rank 0's buffers at each of DeAR's ``step()``."""
+    torch.manual_seed(0)
+    base = MLP(bn=True)
+    ref, mod = MLP(bn=True), MLP(bn=True)
+    ref.load_state_dict(base.state_dict())
+    mod.load_state_dict(base.state_dict())
+    ddp = DDP(ref)
+    opt_ref = _make_opt("sgd", ref.parameters())
+    dear = DeAR(mod, _make_opt("sgd", mod.parameters()), fusion_mb=TINY_MB, max_allgathers=max_allgathers)
+    seen = []
+    mod.bn.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()) if m.training else None)
+    loss_fn = nn.CrossEntropyLoss()
+    out = {"losses_ref": [], "losses": [], "at_step": [], "at_forward": []}
+    for t, (x, y) in enumerate(_batches(rank, 5)):
+        opt_ref.zero_grad()
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        opt_ref.step()
+        out["losses_ref"].append(loss.item())
+        seen.clear()
+        dear.zero_grad()
+        loss = loss_fn(dear(x), y)
+        loss.backward()
+        out["at_forward"].append(seen[0].tolist())
+        dear.step()
+        rank0 = mod.bn.running_mean.clone()
+        dist.broadcast(rank0, src=0)
+        out["at_step"].append(rank0.tolist())
+        out["losses"].append(loss.item())
+        if rank == 0:
+            for m in (ref, mod):
+                if mode == "eval":
+                    m.eval()
+                with contextlib.nullcontext() if mode == "train-grad" else torch.no_grad():
+                    m(x * 3.0).sum()
+                m.train()
+    dear.flush()
+    out["params"] = [p.detach().clone() for p in mod.parameters()]
+    out["params_ref"] = [p.detach().clone() for p in ref.parameters()]
+    out["buffers"] = [b.clone() for b in mod.buffers()]
+    out["buffers_ref"] = [b.clone() for b in ref.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("world_size,mode,max_allgathers", [
+    (2, "eval", "auto"), (3, "eval", 1), (2, "train", 1), (3, "train", "auto"), (3, "train-grad", "auto")])
+def test_forward_on_rank_0_only_between_steps_does_not_hang(world_size, mode, max_allgathers):
+    # the buffer broadcast is issued in step() only, so a forward that one rank runs between step()
+    # and the next training forward changes no rank's collective sequence (it hung before: rank 0
+    # broadcast at its next forward while the others started their reduce-scatters)
+    res = run_ranks(_rank0_forward, world_size, mode, max_allgathers, timeout=150, pg_timeout=30)
+    for r in res:
+        # training-mode BatchNorm normalises with batch statistics: same losses as DDP
+        assert r["losses"] == pytest.approx(r["losses_ref"], rel=1e-6, abs=1e-6)
+        for a, b in zip(r["params"], r["params_ref"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+        # every training forward starts from rank 0's buffers as of step() (t >= 1), on every rank
+        assert r["at_forward"][1:] == r["at_step"][:-1]
+        if mode == "eval":  # the eval forward changes no buffer: the same buffers as DDP
+            for a, b in zip(r["buffers"], r["buffers_ref"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
