@@ -119,6 +119,8 @@ MAX_FUSION_MB = 1_000_000.0
 REDUCE_SCATTER_CHOICES = ("auto", "ring", "native")
 #: ``max_allgathers`` value meaning "every group's all-gather at once"
 ALL_ALLGATHERS = 1_000_000
+#: CUDA timing event pairs kept unread before ``step()`` waits for them
+MAX_TIMING_EVENTS = 4096
 
 __all__ = ["MAX_FUSION_MB", "MB", "DeAR", "GradFilter", "StridedShard"]
 
@@ -358,6 +360,10 @@ class DeAR:
         self.rs_wait_seconds = 0.0
         self.ag_wait_seconds = 0.0
         self.buffer_seconds = 0.0
+        # on CUDA the waits and the filter are timed by events on the current stream, read lazily:
+        # [(counter name, start event, end event)]
+        self._cuda_timing = self._device.type == "cuda"
+        self._timing_events: list[tuple[str, Any, Any]] = []
         self.steps_skipped = 0  # optimizer steps skipped by the loss scaler (inf/nan gradients)
         # rank 0's buffers (broadcast by step() or at construction) for the training forwards until
         # the next backward: [(buffers, flat copy)]
@@ -440,6 +446,36 @@ class DeAR:
         self._module_group = layout.module_group
         self._param_loc = layout.param_loc
         self._next_launch = len(self._groups) - 1
+
+    @contextlib.contextmanager
+    def _timed(self, counter: str) -> Iterator[None]:
+        """Add the duration of the block to the float attribute ``counter`` (seconds). On CPU: wall
+        clock. On CUDA: the time the current stream takes to pass the block's work (for a
+        ``.wait()``, how long the stream stalls on the collective: exposed communication), from a
+        pair of CUDA events read later by :meth:`_read_timings` (no host sync here)."""
+        if not self._cuda_timing:
+            t0 = time.perf_counter()
+            yield
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            return
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timing_events.append((counter, start, end))
+
+    def _read_timings(self, wait: bool) -> None:
+        """Add the elapsed time of recorded CUDA event pairs to their counters: all of them
+        (``wait``, synchronising on the last) or those already completed (no host sync)."""
+        done = 0
+        for counter, start, end in self._timing_events:
+            if not wait and not end.query():
+                break
+            end.synchronize()
+            setattr(self, counter, getattr(self, counter) + start.elapsed_time(end) / 1e3)
+            done += 1
+        del self._timing_events[:done]
 
     def _mid_iteration(self) -> bool:
         return self._reduced or any(g.launched or g.n_ready for g in self._groups)
@@ -533,6 +569,7 @@ class DeAR:
                 g.grad_buf[off:off + g.params[slot].numel()].zero_()
                 g.grad_buf[g.numel + slot] = 0.0
         g.launched = True
+        g.all_used = all(g.ready)
         g.skipped = False
         g.unscaled = False
         g.sel = None
@@ -540,20 +577,8 @@ class DeAR:
         self._hook_unscale(g, g.grad_buf[: g.numel])
         if self.grad_filter is not None:
             self._filtered_scaled |= self._scaler is None
-            t0 = time.perf_counter()
-            flat = g.grad_buf[: g.numel]
-            out = self.grad_filter(flat, self.iteration, g.index)
-            if out is False:
-                g.skipped = True
-            elif isinstance(out, StridedShard):
-                self._compact(g, out)
-            elif isinstance(out, torch.Tensor):
-                if out.shape != flat.shape:
-                    raise RuntimeError(
-                        f"grad_filter returned shape {tuple(out.shape)}, expected {tuple(flat.shape)}"
-                    )
-                flat.copy_(out)
-            self.compress_seconds += time.perf_counter() - t0
+            with self._timed("compress_seconds"):
+                self._run_filter(g)
             if g.skipped:
                 self.buckets_skipped += 1
                 return
@@ -565,6 +590,19 @@ class DeAR:
         else:
             g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
         count_bytes(self, src.numel() * src.element_size(), "reduce_scatter", self.world_size)
+
+    def _run_filter(self, g: FusionGroup) -> None:
+        """Call the ``grad_filter`` on ``g``'s flat gradient and apply its answer to ``g``."""
+        flat = g.grad_buf[: g.numel]
+        out = self.grad_filter(flat, self.iteration, g.index)
+        if out is False:
+            g.skipped = True
+        elif isinstance(out, StridedShard):
+            self._compact(g, out)
+        elif isinstance(out, torch.Tensor):
+            if out.shape != flat.shape:
+                raise RuntimeError(f"grad_filter returned shape {tuple(out.shape)}, expected {tuple(flat.shape)}")
+            flat.copy_(out)
 
     def _compact(self, g: FusionGroup, sel: StridedShard) -> None:
         """Pack ``sel.values`` and the used flags into compact buffers padded to a multiple of P."""
@@ -591,12 +629,11 @@ class DeAR:
         while self._next_launch >= 0:  # finalisation: same order on every rank
             self._launch_rs(self._groups[self._next_launch])
             self._next_launch -= 1
-        t0 = time.perf_counter()
-        for g in reversed(self._groups):
-            if g.rs_work is not None:
-                g.rs_work.wait()
-                g.rs_work = None
-        self.rs_wait_seconds += time.perf_counter() - t0
+        with self._timed("rs_wait_seconds"):
+            for g in reversed(self._groups):
+                if g.rs_work is not None:
+                    g.rs_work.wait()
+                    g.rs_work = None
         for g in self._groups:
             if g.skipped:
                 g.gathered.zero_()
@@ -782,6 +819,8 @@ class DeAR:
             self._stage_buffers(self._broadcast_buffers(self.rs_group))
         if not skip:
             self._launch_next_ag()
+        if self._timing_events:
+            self._read_timings(wait=len(self._timing_events) > MAX_TIMING_EVENTS)
         if self._tuner is not None:
             new_mb = self._tuner.observe()
             if new_mb is not None:
@@ -815,9 +854,8 @@ class DeAR:
 
     def _apply(self, g: FusionGroup) -> None:
         if g.ag_work is not None:
-            t0 = time.perf_counter()
-            g.ag_work.wait()
-            self.ag_wait_seconds += time.perf_counter() - t0
+            with self._timed("ag_wait_seconds"):
+                g.ag_work.wait()
             g.ag_work = None
             self._ag_inflight -= 1
         self._launch_next_ag()
@@ -827,12 +865,12 @@ class DeAR:
             g.gathered[g.sel.start:g.numel:g.sel.stride] = g.c_out[:m]
             g.gathered[g.numel:g.numel + n_flags] = g.c_out[m:m + n_flags]
             g.sel = g.c_in = g.c_shard = g.c_out = None
-        flags = g.gathered[g.numel: g.numel + len(g.params)].tolist()
+        used = self._used_flags(g)
         # local gradients accumulated meanwhile (no_sync micro-batches) survive the update
         kept = [None if _is_placeholder(p.grad) else p.grad for p in g.params]
         with torch.no_grad():
             for slot, p in enumerate(g.params):
-                if flags[slot] > 0:
+                if used[slot]:
                     off = g.offsets[slot]
                     p.grad = g.gathered[off:off + p.numel()].view_as(p)
                 else:
@@ -851,6 +889,15 @@ class DeAR:
                 self.optimizer.param_groups = saved
         for p, grad in zip(g.params, kept):
             p.grad = grad
+
+    @staticmethod
+    def _used_flags(g: FusionGroup) -> list[bool]:
+        """Whether each parameter of ``g`` got a gradient on some rank. Read from the averaged used
+        flags (a host sync on CUDA) only when a parameter got none on this rank: otherwise every
+        flag is at least ``1 / P``."""
+        if g.all_used or g.skipped:
+            return [True] * len(g.params)
+        return [f > 0 for f in g.gathered[g.numel: g.numel + len(g.params)].tolist()]
 
     def _module_pre_hook(self, module: nn.Module, args: Any) -> None:
         # the root's mode decides (a submodule in eval mode, e.g. frozen BatchNorm, is updated too)
@@ -872,10 +919,11 @@ class DeAR:
 
     def _broadcast_buffers(self, group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rank 0's buffers, broadcast on ``group`` (the model's buffers are not written)."""
-        t0 = time.perf_counter()
-        staged = self._broadcast_flat(list(self.model.buffers()), group)
-        self.buffer_seconds += time.perf_counter() - t0
-        return staged
+        buffers = list(self.model.buffers())
+        if not buffers:
+            return []
+        with self._timed("buffer_seconds"):
+            return self._broadcast_flat(buffers, group)
 
     def _broadcast(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         """Synchronous broadcast of ``tensors`` from the group's rank 0, in place."""
@@ -963,11 +1011,14 @@ class DeAR:
         the buffer broadcasts (``broadcast_buffers``) and the scalar all-reduces of ``unscale_`` /
         ``clip_grad_norm_`` are not counted (DDP's are not visible to the hook algorithms either);
         ``rs_wait_seconds`` and ``ag_wait_seconds`` (s blocked in ``.wait()`` of reduce-scatters and
-        all-gathers: exposed communication); ``buffer_broadcast_seconds`` (s broadcasting buffers);
+        all-gathers: exposed communication; on CUDA the time the current stream stalls there,
+        measured with CUDA events, as are ``compress_seconds`` and the buffer broadcasts: reading
+        them here synchronises with the device); ``buffer_broadcast_seconds`` (s broadcasting buffers);
         ``steps_skipped`` (updates skipped by the GradScaler on inf/nan); ``reduce_scatter``
         (``"ring"`` or ``"native"``); ``fusion_mb`` (threshold in
         use, MB); ``num_groups``; with ``fusion_mb="auto"`` also ``tuning`` (:meth:`FusionTuner.report`).
         """
+        self._read_timings(wait=True)
         out: dict[str, Any] = {
             **counter_stats(self),
             "rs_wait_seconds": self.rs_wait_seconds,
