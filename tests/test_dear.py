@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import pytest
 import torch
@@ -82,19 +83,24 @@ def _compare(rank, world_size, opt_name, fusion_mb, steps, kw):
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt_ref, opt)]
     loss_fn = nn.CrossEntropyLoss()
     groups_seen = {dear.num_groups}
+    dear_seconds = 0.0  # wall time of DeAR's part of the steps
     for t, (x, y) in enumerate(_batches(rank, steps)):
         opt_ref.zero_grad()
         loss_fn(ddp(x), y).backward()
         opt_ref.step()
+        t0 = time.perf_counter()
         dear.zero_grad()
         loss_fn(dear(x), y).backward()
         dear.step()
+        dear_seconds += time.perf_counter() - t0
         for s in scheds:
             s.step()
         if regroup_at is not None and t in regroup_at:
             dear.set_fusion_mb(regroup_at[t])
         groups_seen.add(dear.num_groups)
+    t0 = time.perf_counter()
     dear.flush()
+    dear_seconds += time.perf_counter() - t0
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
     scale = max(a.abs().max().item() for a in ref.parameters())
     bufdiff = max(((a.float() - b.float()).abs().max().item() for a, b in zip(ref.buffers(), mod.buffers())),
@@ -116,7 +122,7 @@ def _compare(rank, world_size, opt_name, fusion_mb, steps, kw):
         "diff": diff, "scale": scale, "bufdiff": bufdiff, "outdiff": (out - out_ref).abs().max().item(),
         "acc": acc, "acc_ref": acc_ref, "spread": spread, "stats": dear.stats(),
         "groups_seen": sorted(groups_seen), "lr": opt.param_groups[0]["lr"],
-        "lr_ref": opt_ref.param_groups[0]["lr"],
+        "lr_ref": opt_ref.param_groups[0]["lr"], "dear_seconds": dear_seconds,
     }
 
 
@@ -144,7 +150,9 @@ def test_matches_ddp(world_size, opt_name):
     # reduce-scatter + all-gather of the padded buffer: a ring all-reduce's traffic, plus flags/padding
     assert st["wire_bytes"] > st["dense_wire_bytes"] > 0
     assert st["compression_ratio"] > 0.8
-    assert st["rs_wait_seconds"] >= 0 and st["ag_wait_seconds"] >= 0
+    # blocked time is part of DeAR's own wall time (a late rank's is checked in test_wait_seconds_...)
+    assert 0 < st["rs_wait_seconds"] + st["ag_wait_seconds"] < res[0]["dear_seconds"]
+    assert st["buffer_broadcast_seconds"] == 0.0  # no buffers
     if opt_name == "sgd":
         assert res[0]["lr"] == pytest.approx(0.05 * 0.5**5)
 
@@ -169,7 +177,7 @@ def test_batchnorm_buffers(max_allgathers):
     kw = {"model_kw": {"bn": True}, "max_allgathers": max_allgathers}
     res = run_ranks(_compare, 2, "sgd", TINY_MB, 4, kw, timeout=90, pg_timeout=20)
     _check(res)
-    assert res[0]["stats"]["buffer_broadcast_seconds"] > 0
+    assert 0 < res[0]["stats"]["buffer_broadcast_seconds"] < res[0]["dear_seconds"]
 
 
 def _buffers_at_forward(rank, world_size):
@@ -442,3 +450,39 @@ def test_forward_on_rank_0_only_between_steps_does_not_hang(world_size, mode, ma
         if mode == "eval":  # the eval forward changes no buffer: the same buffers as DDP
             for a, b in zip(r["buffers"], r["buffers_ref"]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+LATE = 0.4  # s
+
+
+def _late_rank(rank, world_size):
+    """Rank 1 is LATE seconds late for its backward at t == 1, its step() at t == 2 and its forward
+    at t == 3; rank 0's blocked times must show it in the reduce-scatter wait, the buffer broadcast
+    and the all-gather wait (max_allgathers=1: group 1's all-gather starts in the forward)."""
+    torch.manual_seed(0)
+    mod = MLP(bn=True)
+    dear = DeAR(mod, torch.optim.SGD(mod.parameters(), lr=0.05), fusion_mb=TINY_MB, max_allgathers=1)
+    t0 = time.perf_counter()
+    for t, (x, y) in enumerate(_batches(rank, 5)):
+        late = rank == 1 and t in (1, 2, 3)
+        dear.zero_grad()
+        if late and t == 3:
+            time.sleep(LATE)
+        loss = nn.CrossEntropyLoss()(dear(x), y)
+        if late and t == 1:
+            time.sleep(LATE)
+        loss.backward()
+        if late and t == 2:
+            time.sleep(LATE)
+        dear.step()
+    dear.flush()
+    return {"wall": time.perf_counter() - t0, "groups": dear.num_groups, **dear.stats()}
+
+
+def test_wait_seconds_measure_a_late_rank():
+    r = run_ranks(_late_rank, 2, timeout=90, pg_timeout=20)[0]
+    assert r["groups"] >= 2
+    keys = ("rs_wait_seconds", "buffer_broadcast_seconds", "ag_wait_seconds")
+    for key in keys:
+        assert 0.8 * LATE <= r[key] < r["wall"], (key, r)
+    assert sum(r[k] for k in keys) < r["wall"]
