@@ -292,12 +292,16 @@ def test_grad_filter_hook(mode):
 
 
 def _resume_run(rank, world_size):
+    """Uninterrupted vs. saved after 3 steps and resumed on a BatchNorm model: each rank's state dict
+    holds its own running statistics (updated by its last forward), as a per-rank checkpoint does."""
     loss_fn = nn.CrossEntropyLoss()
     data = _batches(rank, 6)
 
     def build():
         torch.manual_seed(0)
-        m = MLP()
+        m = MLP(bn=True)
+        m.starts = []  # running mean at the start of each training forward
+        m.bn.register_forward_pre_hook(lambda mod, a: m.starts.append(mod.running_mean.clone()))
         o = torch.optim.Adam(m.parameters(), lr=0.01)
         return m, o, DeAR(m, o, fusion_mb=TINY_MB)
 
@@ -317,7 +321,9 @@ def _resume_run(rank, world_size):
     d3.load_state_dict(sd)
     train(d3, data[3:])
     d3.flush()
-    return max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m3.parameters()))
+    return max((a.float() - b.float()).abs().max().item()
+               for a, b in zip([*m1.parameters(), *m1.buffers(), *m1.starts[3:]],
+                               [*m3.parameters(), *m3.buffers(), *m3.starts]))
 
 
 def test_state_dict_resume():

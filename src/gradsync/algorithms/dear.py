@@ -65,8 +65,9 @@ Differences from the reference code, all needed for "DeAR reproduces DDP + the s
   the wrapper was built); buffer changes made by other forwards in between (a training-mode forward
   under ``no_grad`` updates BatchNorm statistics) are therefore replaced there, on every rank
   (under DDP a forward through ``ddp.module`` on rank 0 would be broadcast instead; call
-  :meth:`DeAR.sync_buffers` on every rank after such forwards to keep rank 0's). Loading a state
-  dict into the model between iterations (on every rank) keeps the loaded buffers. Training
+  :meth:`DeAR.sync_buffers` on every rank after such forwards to keep rank 0's). A state dict
+  loaded into the model between iterations keeps the loaded buffers (load the same one on every
+  rank, or call :meth:`DeAR.sync_buffers`; :meth:`DeAR.load_state_dict` does). Training
   forwards after a backward and before ``step()`` (:meth:`DeAR.no_sync` micro-batches) keep the
   local buffers, as DDP, which does not broadcast after a ``no_sync`` forward. A forward run on
   some ranks only should be under ``torch.no_grad()`` or in eval mode: a grad-enabled
@@ -225,8 +226,9 @@ class DeAR:
         fusion_mb: tensor-fusion threshold in MB (2**20 bytes), in (0, 1e6] (default 25.0, as DeAR;
             a tiny value puts each module in its own group, "DeAR w/o TF"), or ``"auto"`` to tune it
             online with :class:`~gradsync.tuning.fusion.FusionTuner` (starts at 25 MB, searches 1-256 MB).
-        broadcast_buffers: broadcast module buffers from rank 0 at the start of each training forward
-            (default ``True``, as DDP).
+        broadcast_buffers: give every training forward rank 0's module buffers (default ``True``, as
+            DDP): broadcast once per iteration in ``step()``, never at a forward (see "Module
+            buffers" above and :meth:`sync_buffers`).
         max_allgathers: all-gathers kept in flight during the next forward, >= 1, or ``"auto"``
             (default: 1 as DeAR - waiting for group ``k``'s all-gather launches group ``k + 1``'s -
             except on Gloo, where every group's all-gather is launched in ``step()`` so they run
@@ -1060,7 +1062,8 @@ class DeAR:
         """Restore a :meth:`state_dict` on every rank, between iterations (after ``step()`` or
         before the first forward). A pending update is applied first and then overwritten; the groups
         are rebuilt with the saved threshold; the ``grad_filter``'s state is restored when both the
-        saved state and the filter have one.
+        saved state and the filter have one; with ``broadcast_buffers`` every rank then takes rank 0's
+        loaded buffers (:meth:`sync_buffers`), as the next training forward would under DDP.
 
         Raises:
             RuntimeError: if called between a backward pass and ``step()``.
@@ -1078,6 +1081,8 @@ class DeAR:
         self._build_groups(self.fusion_mb)
         if d.get("grad_filter") is not None and hasattr(self.grad_filter, "load_state_dict"):
             self.grad_filter.load_state_dict(d["grad_filter"])
+        if self.broadcast_buffers:  # per-rank checkpoints hold each rank's own statistics
+            self.sync_buffers()
 
     def remove_hooks(self) -> None:
         """Flush, then remove every hook and the optimizer guard; the model then trains as a plain
