@@ -460,11 +460,12 @@ class DeAR:
             yield
             setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
             return
+        stream = torch.cuda.current_stream(self._device)
         start = torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(stream)
         yield
         end = torch.cuda.Event(enable_timing=True)
-        end.record()
+        end.record(stream)
         self._timing_events.append((counter, start, end))
 
     def _read_timings(self, wait: bool) -> None:
