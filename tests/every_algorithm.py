@@ -22,13 +22,13 @@ def small_model() -> nn.Module:
     return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def build_small(name: str, model: nn.Module | None = None):
+def build_small(name: str, model: nn.Module | None = None, scaler: torch.amp.GradScaler | None = None):
     from gradsync.algorithms import REGISTRY, BuildContext, build
 
     ctx = BuildContext(model=model if model is not None else small_model(),
                        make_optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
                                                                 weight_decay=5e-4),
-                       bucket_cap_mb=0.01, seed=0, batch_size=8, steps_per_epoch=4)
+                       bucket_cap_mb=0.01, seed=0, batch_size=8, steps_per_epoch=4, scaler=scaler)
     keys = REGISTRY[name].options.keys()
     return build(name, ctx, {k: v for k, v in OPTIONS.items() if k in keys})
 

@@ -275,3 +275,107 @@ def test_every_hook_algorithm_on_cuda(job):
         assert h["finite"], f"{name} {dtype}: non-finite parameters"
         assert h["same"], f"{name} {dtype}: replicas diverged"
         assert h["wire_bytes"] > 0, key
+
+
+def _dear_job(rank, world, device):
+    """DeAR on a 4 x 4 MB model (one fusion group per layer, a ``grad_filter`` on each): its timing
+    counters over a few steps against their wall time, and the host syncs issued during the forward
+    (where DeAR waits for the all-gathers and applies the updates). On CUDA, known device-side delays
+    are injected: a GPU sleep in the filter, and one queued on the reduce-scatter and all-gather
+    groups' NCCL streams (a collective issued from a side stream that sleeps first), so the
+    reduce-scatters finish after it and the next forward's all-gather waits stall on the device. One
+    side stream runs both sleeps one after the other, and the device is idle when the first starts,
+    so each stalls the current stream for about its length."""
+    import warnings
+
+    from torch import nn
+
+    from gradsync.algorithms.dear import DeAR
+
+    cuda = device.type == "cuda"
+    steps, delay_cycles, filter_cycles = 5, 100_000_000, 2_000_000
+
+    def sleep_seconds(cycles: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    def slow_filter(flat, step, group):
+        if cuda:
+            torch.cuda._sleep(filter_cycles)  # returns at once on the host
+
+    side = torch.cuda.Stream() if cuda else None
+
+    def delay(group):
+        if cuda:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(delay_cycles)
+                dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).to(device)
+    dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=1e-3), fusion_mb=4.0, grad_filter=slow_filter)
+    x = torch.randn(512, 1024, device=device)
+
+    def step(measured: bool) -> int:
+        dear.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda and measured:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = dear(x).square().mean()
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+        if measured and cuda:
+            torch.cuda.synchronize()  # the forward's stall is over: the device is idle
+            delay(dear.rs_group)
+        loss.backward()
+        if measured:
+            delay(dear.ag_group)
+        dear.step()
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    step(False)  # warm-up (NCCL communicators, allocator)
+    dear.flush()
+    if cuda:
+        torch.cuda.synchronize()
+    before = dear.stats()
+    t0 = time.perf_counter()
+    syncs = sum(step(True) for _ in range(steps))
+    dear.flush()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    after = dear.stats()
+    keys = ("rs_wait_seconds", "ag_wait_seconds", "compress_seconds", "buffer_broadcast_seconds")
+    return {"wall": wall, "syncs": syncs, "groups": after["num_groups"], "steps": steps,
+            "delay_s": sleep_seconds(delay_cycles) if cuda else 0.0,
+            "filter_s": sleep_seconds(filter_cycles) if cuda else 0.0,
+            **{k: after[k] - before[k] for k in keys}}
+
+
+@pytest.fixture(scope="module")
+def dear_job():
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return _run(_dear_job, world)
+
+
+def test_dear_timings_are_measured_on_the_device(dear_job):
+    # on CUDA .wait() returns at once (the stream waits) and the filter's kernels run later: host
+    # clocks read ~0 there. DeAR's counters come from CUDA events: they include the injected device
+    # delays and stay within the wall time. The forward issues no host sync (the used flags are read
+    # only for a group with a parameter that got no gradient on this rank; old code: .tolist() per group)
+    for r in dear_job:
+        assert r["groups"] == 4
+        n = r["steps"]
+        for key, least in (("rs_wait_seconds", 0.5 * n * r["delay_s"]), ("ag_wait_seconds", 0.5 * n * r["delay_s"]),
+                           ("compress_seconds", 0.8 * 4 * n * r["filter_s"])):
+            assert least <= r[key] < r["wall"] and r[key] > 0, (key, r)
+        assert r["rs_wait_seconds"] + r["ag_wait_seconds"] + r["compress_seconds"] < r["wall"], r
+        assert r["buffer_broadcast_seconds"] == 0.0  # no buffers: nothing broadcast
+        assert r["syncs"] == 0, r

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 
 import pytest
 import torch
@@ -81,19 +83,24 @@ def _compare(rank, world_size, opt_name, fusion_mb, steps, kw):
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt_ref, opt)]
     loss_fn = nn.CrossEntropyLoss()
     groups_seen = {dear.num_groups}
+    dear_seconds = 0.0  # wall time of DeAR's part of the steps
     for t, (x, y) in enumerate(_batches(rank, steps)):
         opt_ref.zero_grad()
         loss_fn(ddp(x), y).backward()
         opt_ref.step()
+        t0 = time.perf_counter()
         dear.zero_grad()
         loss_fn(dear(x), y).backward()
         dear.step()
+        dear_seconds += time.perf_counter() - t0
         for s in scheds:
             s.step()
         if regroup_at is not None and t in regroup_at:
             dear.set_fusion_mb(regroup_at[t])
         groups_seen.add(dear.num_groups)
+    t0 = time.perf_counter()
     dear.flush()
+    dear_seconds += time.perf_counter() - t0
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
     scale = max(a.abs().max().item() for a in ref.parameters())
     bufdiff = max(((a.float() - b.float()).abs().max().item() for a, b in zip(ref.buffers(), mod.buffers())),
@@ -115,7 +122,7 @@ def _compare(rank, world_size, opt_name, fusion_mb, steps, kw):
         "diff": diff, "scale": scale, "bufdiff": bufdiff, "outdiff": (out - out_ref).abs().max().item(),
         "acc": acc, "acc_ref": acc_ref, "spread": spread, "stats": dear.stats(),
         "groups_seen": sorted(groups_seen), "lr": opt.param_groups[0]["lr"],
-        "lr_ref": opt_ref.param_groups[0]["lr"],
+        "lr_ref": opt_ref.param_groups[0]["lr"], "dear_seconds": dear_seconds,
     }
 
 
@@ -143,7 +150,9 @@ def test_matches_ddp(world_size, opt_name):
     # reduce-scatter + all-gather of the padded buffer: a ring all-reduce's traffic, plus flags/padding
     assert st["wire_bytes"] > st["dense_wire_bytes"] > 0
     assert st["compression_ratio"] > 0.8
-    assert st["rs_wait_seconds"] >= 0 and st["ag_wait_seconds"] >= 0
+    # blocked time is part of DeAR's own wall time (a late rank's is checked in test_wait_seconds_...)
+    assert 0 < st["rs_wait_seconds"] + st["ag_wait_seconds"] < res[0]["dear_seconds"]
+    assert st["buffer_broadcast_seconds"] == 0.0  # no buffers
     if opt_name == "sgd":
         assert res[0]["lr"] == pytest.approx(0.05 * 0.5**5)
 
@@ -168,24 +177,29 @@ def test_batchnorm_buffers(max_allgathers):
     kw = {"model_kw": {"bn": True}, "max_allgathers": max_allgathers}
     res = run_ranks(_compare, 2, "sgd", TINY_MB, 4, kw, timeout=90, pg_timeout=20)
     _check(res)
-    assert res[0]["stats"]["buffer_broadcast_seconds"] > 0
+    assert 0 < res[0]["stats"]["buffer_broadcast_seconds"] < res[0]["dear_seconds"]
 
 
 def _buffers_at_forward(rank, world_size):
-    """DeAR on a BatchNorm model; between step() and the next training forward, a no-grad
-    training-mode forward changes the buffers (differently on each rank) before step 2, and every
-    rank loads the same state dict before step 3. Return, per training forward, rank 0's buffers
-    just before it and the buffers the forward starts from."""
+    """DeAR on a BatchNorm model; between step() and the next training forward, every rank runs a
+    no-grad training-mode forward that changes its buffers (differently on each rank) before steps 2
+    and 4, followed by ``sync_buffers()`` before step 4, and every rank loads the same state dict
+    before step 3. Return, per training forward, rank 0's buffers just before it, rank 0's buffers
+    at the previous step() and the buffers the forward starts from."""
     torch.manual_seed(0)
     mod = MLP(bn=True)
     dear = DeAR(mod, torch.optim.SGD(mod.parameters(), lr=0.05), fusion_mb=TINY_MB)
     seen = []
     mod.bn.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()))
     out = []
+    at_step = mod.bn.running_mean.clone()
+    dist.broadcast(at_step, src=0)
     for t, (x, y) in enumerate(_batches(rank, 5)):
-        if t == 2:
+        if t in (2, 4):
             with torch.no_grad():
                 mod(x * (rank + 2.0))  # training mode: updates the running statistics locally
+        if t == 4:
+            dear.sync_buffers()
         if t == 3:  # every rank loads a checkpoint whose statistics differ from step()'s broadcast
             state = {k: v + 1.0 if k.endswith("running_mean") else v for k, v in mod.state_dict().items()}
             dist.broadcast(state["bn.running_mean"], src=0)
@@ -195,19 +209,23 @@ def _buffers_at_forward(rank, world_size):
         seen.clear()
         dear.zero_grad()
         nn.CrossEntropyLoss()(dear(x), y).backward()
-        out.append((rank0, seen[0]))
+        out.append((rank0.tolist(), at_step.tolist(), seen[-1].tolist()))
         dear.step()
+        at_step = mod.bn.running_mean.clone()
+        dist.broadcast(at_step, src=0)
     dear.flush()
-    return [(a.tolist(), b.tolist()) for a, b in out]
+    return out
 
 
 def test_buffers_broadcast_in_step_are_rank_0s_at_the_next_forward():
-    # step() broadcasts rank 0's buffers for the next forward; a forward (t == 2) or a loaded state
-    # dict (t == 3) in between must make that forward broadcast afresh, or every rank would start
-    # from the stale values
+    # step() broadcasts rank 0's buffers for the next training forward. A no-grad forward in between
+    # (t == 2) is overridden by them (no forward broadcasts: the collectives cannot depend on which
+    # forwards a rank ran), unless sync_buffers() was called (t == 4); a state dict loaded on every
+    # rank (t == 3) is kept
     for res in run_ranks(_buffers_at_forward, 2, timeout=90, pg_timeout=20):
-        for rank0, start in res:
-            assert start == pytest.approx(rank0, abs=0.0)
+        for t, (rank0, at_step, start) in enumerate(res):
+            assert start == (at_step if t == 2 else rank0), t
+        assert res[2][0] != res[2][1]  # the no-grad forward changed rank 0's statistics
 
 
 def test_regroup_mid_run():
@@ -274,12 +292,16 @@ def test_grad_filter_hook(mode):
 
 
 def _resume_run(rank, world_size):
+    """Uninterrupted vs. saved after 3 steps and resumed on a BatchNorm model: each rank's state dict
+    holds its own running statistics (updated by its last forward), as a per-rank checkpoint does."""
     loss_fn = nn.CrossEntropyLoss()
     data = _batches(rank, 6)
 
     def build():
         torch.manual_seed(0)
-        m = MLP()
+        m = MLP(bn=True)
+        m.starts = []  # running mean at the start of each training forward
+        m.bn.register_forward_pre_hook(lambda mod, a: m.starts.append(mod.running_mean.clone()))
         o = torch.optim.Adam(m.parameters(), lr=0.01)
         return m, o, DeAR(m, o, fusion_mb=TINY_MB)
 
@@ -299,7 +321,9 @@ def _resume_run(rank, world_size):
     d3.load_state_dict(sd)
     train(d3, data[3:])
     d3.flush()
-    return max((a - b).abs().max().item() for a, b in zip(m1.parameters(), m3.parameters()))
+    return max((a.float() - b.float()).abs().max().item()
+               for a, b in zip([*m1.parameters(), *m1.buffers(), *m1.starts[3:]],
+                               [*m3.parameters(), *m3.buffers(), *m3.starts]))
 
 
 def test_state_dict_resume():
@@ -363,3 +387,108 @@ def test_tuner_finds_minimum_and_validates():
                    {"xi": -1}, {"warmup": -1}):
         with pytest.raises(ValueError):
             FusionTuner(**kwargs)
+
+
+def _rank0_forward(rank, world_size, mode, max_allgathers):
+    """DDP and DeAR side by side on a BatchNorm model; after every step() rank 0 alone runs an extra
+    forward before the next training forward (a logging forward): ``"eval"`` (eval mode, no grad),
+    ``"train"`` (training mode under no_grad: updates rank 0's running statistics) or
+    ``"train-grad"`` (training mode with grad enabled, no backward: DeAR applies the pending update
+    on rank 0 first). DDP's extra forward runs on ``ddp.module``. Returns the losses, the parameters
+    and buffers after the last update, and rank 0's buffers at each of DeAR's ``step()``."""
+    torch.manual_seed(0)
+    base = MLP(bn=True)
+    ref, mod = MLP(bn=True), MLP(bn=True)
+    ref.load_state_dict(base.state_dict())
+    mod.load_state_dict(base.state_dict())
+    ddp = DDP(ref)
+    opt_ref = _make_opt("sgd", ref.parameters())
+    dear = DeAR(mod, _make_opt("sgd", mod.parameters()), fusion_mb=TINY_MB, max_allgathers=max_allgathers)
+    seen = []
+    mod.bn.register_forward_pre_hook(lambda m, a: seen.append(m.running_mean.clone()) if m.training else None)
+    loss_fn = nn.CrossEntropyLoss()
+    out = {"losses_ref": [], "losses": [], "at_step": [], "at_forward": []}
+    for t, (x, y) in enumerate(_batches(rank, 5)):
+        opt_ref.zero_grad()
+        loss = loss_fn(ddp(x), y)
+        loss.backward()
+        opt_ref.step()
+        out["losses_ref"].append(loss.item())
+        seen.clear()
+        dear.zero_grad()
+        loss = loss_fn(dear(x), y)
+        loss.backward()
+        out["at_forward"].append(seen[0].tolist())
+        dear.step()
+        rank0 = mod.bn.running_mean.clone()
+        dist.broadcast(rank0, src=0)
+        out["at_step"].append(rank0.tolist())
+        out["losses"].append(loss.item())
+        if rank == 0:
+            for m in (ref, mod):
+                if mode == "eval":
+                    m.eval()
+                with contextlib.nullcontext() if mode == "train-grad" else torch.no_grad():
+                    m(x * 3.0).sum()
+                m.train()
+    dear.flush()
+    out["params"] = [p.detach().clone() for p in mod.parameters()]
+    out["params_ref"] = [p.detach().clone() for p in ref.parameters()]
+    out["buffers"] = [b.clone() for b in mod.buffers()]
+    out["buffers_ref"] = [b.clone() for b in ref.buffers()]
+    return out
+
+
+@pytest.mark.parametrize("world_size,mode,max_allgathers", [
+    (2, "eval", "auto"), (3, "eval", 1), (2, "train", 1), (3, "train", "auto"), (3, "train-grad", "auto")])
+def test_forward_on_rank_0_only_between_steps_does_not_hang(world_size, mode, max_allgathers):
+    # the buffer broadcast is issued in step() only, so a forward that one rank runs between step()
+    # and the next training forward changes no rank's collective sequence (it hung before: rank 0
+    # broadcast at its next forward while the others started their reduce-scatters)
+    res = run_ranks(_rank0_forward, world_size, mode, max_allgathers, timeout=150, pg_timeout=30)
+    for r in res:
+        # training-mode BatchNorm normalises with batch statistics: same losses as DDP
+        assert r["losses"] == pytest.approx(r["losses_ref"], rel=1e-6, abs=1e-6)
+        for a, b in zip(r["params"], r["params_ref"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+        # every training forward starts from rank 0's buffers as of step() (t >= 1), on every rank
+        assert r["at_forward"][1:] == r["at_step"][:-1]
+        if mode == "eval":  # the eval forward changes no buffer: the same buffers as DDP
+            for a, b in zip(r["buffers"], r["buffers_ref"]):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+LATE = 0.4  # s
+
+
+def _late_rank(rank, world_size):
+    """Rank 1 is LATE seconds late for its backward at t == 1, its step() at t == 2 and its forward
+    at t == 3; rank 0's blocked times must show it in the reduce-scatter wait, the buffer broadcast
+    and the all-gather wait (max_allgathers=1: group 1's all-gather starts in the forward)."""
+    torch.manual_seed(0)
+    mod = MLP(bn=True)
+    dear = DeAR(mod, torch.optim.SGD(mod.parameters(), lr=0.05), fusion_mb=TINY_MB, max_allgathers=1)
+    t0 = time.perf_counter()
+    for t, (x, y) in enumerate(_batches(rank, 5)):
+        late = rank == 1 and t in (1, 2, 3)
+        dear.zero_grad()
+        if late and t == 3:
+            time.sleep(LATE)
+        loss = nn.CrossEntropyLoss()(dear(x), y)
+        if late and t == 1:
+            time.sleep(LATE)
+        loss.backward()
+        if late and t == 2:
+            time.sleep(LATE)
+        dear.step()
+    dear.flush()
+    return {"wall": time.perf_counter() - t0, "groups": dear.num_groups, **dear.stats()}
+
+
+def test_wait_seconds_measure_a_late_rank():
+    r = run_ranks(_late_rank, 2, timeout=90, pg_timeout=20)[0]
+    assert r["groups"] >= 2
+    keys = ("rs_wait_seconds", "buffer_broadcast_seconds", "ag_wait_seconds")
+    for key in keys:
+        assert 0.8 * LATE <= r[key] < r["wall"], (key, r)
+    assert sum(r[k] for k in keys) < r["wall"]

@@ -1,5 +1,6 @@
 """COVAP's filter inside DeAR (dear-covap) on real 2- and 3-rank Gloo groups."""
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -84,10 +85,76 @@ def test_dear_covap_cast_fp16_sends_half_the_bytes_and_tracks_fp32():
 
 
 def test_dear_covap_cast_option_sets_the_wire_dtype_and_rejects_bad_values():
-    import pytest
-
     assert CovapGradFilter(2, cast="fp16").wire_dtype == torch.float16  # what ratio=auto times the CCR in
     assert CovapGradFilter(2).wire_dtype is None
     assert CovapGradFilter(2, cast="bf16").config()["cast"] == "bf16"
     with pytest.raises(ValueError, match="cast must be one of fp16, bf16"):
         CovapGradFilter(2, cast="fp8")
+
+
+def _residuals_after_step_0(rank, world, path, scaled):
+    """dear-covap (K=2) after one step on fp32 data, built through ``path`` (``"wrap"``:
+    ``gradsync.wrap(..., scaler=)``; ``"train"``: ``build`` + ``train_step`` as ``gradsync train``
+    runs them), with a GradScaler at 2**16 (``scaled``) or without loss scaling. Returns the
+    error-feedback residuals."""
+    import gradsync
+    from gradsync.algorithms import BuildContext, Precision, build
+
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if scaled else None
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+    if path == "wrap":
+        dear = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), "dear-covap", scaler=scaler,
+                             ratio=2, fusion_mb=1e-6)
+        dear.zero_grad()
+        loss = nn.functional.cross_entropy(dear(x), y)
+        (scaler.scale(loss) if scaled else loss).backward()
+        dear.step(scaler)
+    else:
+        ctx = BuildContext(model=model, make_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), scaler=scaler)
+        dp = build("dear-covap", ctx, {"ratio": 2, "fusion_mb": 1e-6})
+        dp.train_step(x, y, nn.functional.cross_entropy, Precision(scaler=scaler))
+        dear = dp.wrapper
+    assert dear.grad_scaler is scaler
+    res = dear.grad_filter.state_dict()["memory"]["residuals"]
+    return {k: v.clone() for k, v in res.items()}
+
+
+@pytest.mark.parametrize("path", ["wrap", "train"])
+def test_dear_covap_residuals_are_unscaled_with_a_grad_scaler(path):
+    # the scaler is known from construction: the filter sees unscaled gradients from step 0 (before,
+    # the synchroniser built DeAR without it and step 0's residual stayed 65,536 times too large)
+    scaled = run_ranks(_residuals_after_step_0, 2, path, True)
+    plain = run_ranks(_residuals_after_step_0, 2, path, False)
+    for a, b in zip(scaled, plain):
+        assert a.keys() == b.keys() and len(a) > 0
+        assert any(v.abs().max() > 0 for v in b.values())
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-9)
+
+
+def _scaler_errors(rank, world):
+    """The two misuses: another GradScaler than the one given at construction, and a scaler given
+    only to step() after dear-covap's filter stored residuals from loss-scaled gradients."""
+    msgs = []
+    for late in (False, True):
+        model = make_model()
+        built_with = None if late else torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        filt = CovapGradFilter(2)
+        dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=0.1), fusion_mb=1e-6, grad_filter=filt,
+                    grad_scaler=built_with)
+        filt.bind(dear)
+        other = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        loss = nn.functional.cross_entropy(dear(torch.randn(6, 8)), torch.randint(0, 4, (6,)))
+        other.scale(loss).backward()
+        with pytest.raises(ValueError) as err:
+            dear.step(other)
+        msgs.append(str(err.value))
+    return msgs
+
+
+def test_dear_covap_refuses_a_different_or_late_grad_scaler():
+    for other, late in run_ranks(_scaler_errors, 2):
+        assert "different GradScaler" in other
+        assert "loss-scaled units" in late and "grad_scaler=scaler" in late

@@ -82,8 +82,8 @@ def _amp_every_algorithm(rank, world, names):
     for name in names:
         for amp in ("bf16", "fp16"):
             try:
-                dp = build_small(name)
                 precision = Precision.from_names(amp, 1.0, torch.device("cpu"))
+                dp = build_small(name, scaler=precision.scaler)  # as gradsync train builds it
                 start = [p.detach().clone() for p in dp.module.parameters()]
                 dp.warm_up(data[:2], F.cross_entropy)
                 losses = [dp.train_step(x, y, F.cross_entropy, precision).item() for x, y in data]

@@ -9,7 +9,8 @@ kind around a bare module.
 __version__ = "0.1.0"
 
 
-def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_cap_mb: float = 25.0, **options):
+def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_cap_mb: float = 25.0, scaler=None,
+         **options):
     """Wrap the bare module ``model`` for data-parallel training with ``algorithm``.
 
     * communication-hook algorithms (``allreduce``, ``covap``, ``topk``, ...): returns a
@@ -18,11 +19,16 @@ def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_c
     * ``dear`` / ``dear-covap``: returns a :class:`gradsync.algorithms.dear.DeAR` wrapper; call
       ``wrapper.step()`` instead of ``optimizer.step()`` and ``wrapper.flush()`` before evaluation.
 
-    ``options`` are the algorithm's (``gradsync.algorithms.REGISTRY[algorithm].options``).
+    ``options`` are the algorithm's (``gradsync.algorithms.REGISTRY[algorithm].options``). ``scaler``:
+    the ``torch.amp.GradScaler`` of fp16 mixed precision, if any; DeAR-pipeline algorithms need it
+    here (they unscale before their filter, so dear-covap's residuals stay in unscaled units) and
+    then take ``wrapper.step(scaler)`` with the same one; hook algorithms do not use it (call
+    ``scaler.step(optimizer)`` as with plain DDP).
 
     Raises:
-        ValueError: for an unknown ``algorithm``, an option it does not take or out of range, or a
-            ``model`` that is already wrapped (``DistributedDataParallel`` or DeAR).
+        ValueError: for an unknown ``algorithm``, an option it does not take or out of range, a
+            ``model`` that is already wrapped (``DistributedDataParallel`` or DeAR), or a ``scaler``
+            that is not a ``torch.amp.GradScaler`` or ``None``.
     """
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -35,9 +41,11 @@ def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_c
                          "gradsync.wrap, which builds DDP itself")
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise ValueError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
     device = next(model.parameters()).device if any(True for _ in model.parameters()) else None
     ctx = BuildContext(model=model, make_optimizer=lambda params: optimizer, process_group=process_group,
-                       bucket_cap_mb=bucket_cap_mb, device=device)
+                       bucket_cap_mb=bucket_cap_mb, device=device, scaler=scaler)
     sync = build(algorithm, ctx, options)
     if isinstance(sync, HookSynchroniser):
         sync.wrapper.gradsync_state = sync.state

@@ -53,13 +53,26 @@ Differences from the reference code, all needed for "DeAR reproduces DDP + the s
   global norm is one all-reduce of a scalar, and the clipped / unscaled shards are what is
   all-gathered (the "all-reduce = reduce-scatter + all-gather" decomposition of Sec. 3).
 * Gradient accumulation: :meth:`DeAR.no_sync` (as ``DistributedDataParallel.no_sync``).
-* Module buffers (BatchNorm statistics) take rank 0's values at the start of every training forward,
-  as DDP's ``broadcast_buffers=True``. The broadcast itself is issued in ``step()``, before the
-  all-gathers (buffers do not change between the end of backward and the next forward, and a
+* Module buffers (BatchNorm statistics) take rank 0's values at the start of the training forward,
+  as DDP's ``broadcast_buffers=True``, with one broadcast per iteration issued in ``step()``, before
+  the all-gathers (buffers do not change between the end of backward and the next forward, and a
   broadcast issued at the next forward would queue behind the all-gathers on the link: measured on 2
-  emulated hosts at 20 Mbit/s, 20-65 ms per iteration); it is issued at the forward instead for the
-  first one, after :meth:`DeAR.no_sync` micro-batches, and when another forward ran or a state dict
-  was loaded into the model (on every rank) since ``step()``.
+  emulated hosts at 20 Mbit/s, 20-65 ms per iteration). A forward never issues a collective for the
+  buffers, so forwards that only some ranks run between ``step()`` and the next training forward
+  (logging, sampling, evaluation on rank 0) cannot desynchronise the ranks. The semantics: every
+  training forward (grad enabled, root module in training mode) from ``step()`` until the next
+  backward starts from rank 0's buffers as of ``step()`` (the first one from those broadcast when
+  the wrapper was built); buffer changes made by other forwards in between (a training-mode forward
+  under ``no_grad`` updates BatchNorm statistics) are therefore replaced there, on every rank
+  (under DDP a forward through ``ddp.module`` on rank 0 would be broadcast instead; call
+  :meth:`DeAR.sync_buffers` on every rank after such forwards to keep rank 0's). A state dict
+  loaded into the model between iterations keeps the loaded buffers (load the same one on every
+  rank, or call :meth:`DeAR.sync_buffers`; :meth:`DeAR.load_state_dict` does). Training
+  forwards after a backward and before ``step()`` (:meth:`DeAR.no_sync` micro-batches) keep the
+  local buffers, as DDP, which does not broadcast after a ``no_sync`` forward. A forward run on
+  some ranks only should be under ``torch.no_grad()`` or in eval mode: a grad-enabled
+  training-mode forward applies the pending update, and with ``max_allgathers`` below the number of
+  groups (NCCL's default 1) that waits for all-gathers the other ranks launch in their next forward.
   Parameters and buffers are broadcast from rank 0 when the wrapper is built.
 * All collectives are launched from hook bodies or ``step()`` on the Python thread (never from
   ``Future`` callbacks), in an order identical on every rank.
@@ -107,6 +120,8 @@ MAX_FUSION_MB = 1_000_000.0
 REDUCE_SCATTER_CHOICES = ("auto", "ring", "native")
 #: ``max_allgathers`` value meaning "every group's all-gather at once"
 ALL_ALLGATHERS = 1_000_000
+#: CUDA timing event pairs kept unread before ``step()`` waits for them
+MAX_TIMING_EVENTS = 4096
 
 __all__ = ["MAX_FUSION_MB", "MB", "DeAR", "GradFilter", "StridedShard"]
 
@@ -187,7 +202,7 @@ class DeAR:
         dear.flush()                           # apply the last update (also before evaluation)
 
     Mixed precision with a ``torch.amp.GradScaler`` (pass it at construction so the gradients are
-    unscaled before any ``grad_filter`` sees them, or at least to every ``step``)::
+    unscaled before any ``grad_filter`` sees them; required with a ``grad_filter``)::
 
         dear = DeAR(model, opt, grad_scaler=scaler)
         scaler.scale(loss).backward()
@@ -211,8 +226,9 @@ class DeAR:
         fusion_mb: tensor-fusion threshold in MB (2**20 bytes), in (0, 1e6] (default 25.0, as DeAR;
             a tiny value puts each module in its own group, "DeAR w/o TF"), or ``"auto"`` to tune it
             online with :class:`~gradsync.tuning.fusion.FusionTuner` (starts at 25 MB, searches 1-256 MB).
-        broadcast_buffers: broadcast module buffers from rank 0 at the start of each training forward
-            (default ``True``, as DDP).
+        broadcast_buffers: give every training forward rank 0's module buffers (default ``True``, as
+            DDP): broadcast once per iteration in ``step()``, never at a forward (see "Module
+            buffers" above and :meth:`sync_buffers`).
         max_allgathers: all-gathers kept in flight during the next forward, >= 1, or ``"auto"``
             (default: 1 as DeAR - waiting for group ``k``'s all-gather launches group ``k + 1``'s -
             except on Gloo, where every group's all-gather is launched in ``step()`` so they run
@@ -234,8 +250,10 @@ class DeAR:
             (trials, iterations per trial, iterations ignored before the first trial).
         seed: seed of the tuner's optimiser.
         timeout: timeout of the two new process groups (default: the timeout of ``process_group``).
-        grad_scaler: optional ``torch.amp.GradScaler`` used for every iteration (see :meth:`step`);
-            it may also be given first to :meth:`step` (it is then remembered).
+        grad_scaler: optional ``torch.amp.GradScaler`` used for every iteration (see :meth:`step`).
+            Required with a ``grad_filter`` under loss scaling, so the filter (and its residuals) sees
+            unscaled gradients from the first iteration. Without a ``grad_filter`` it may also be
+            given first to :meth:`step` / :meth:`unscale_` (it is then remembered).
         reduce_scatter: ``"native"`` (``dist.reduce_scatter_tensor``), ``"ring"`` (a bandwidth-optimal
             ring on point-to-point operations, :func:`gradsync.comm.ring.ring_reduce_scatter_tensor`,
             run on one worker thread that takes the groups in launch order, so every rank issues the
@@ -344,8 +362,13 @@ class DeAR:
         self.rs_wait_seconds = 0.0
         self.ag_wait_seconds = 0.0
         self.buffer_seconds = 0.0
+        # on CUDA the waits and the filter are timed by events on the current stream, read lazily:
+        # [(counter name, start event, end event)]
+        self._cuda_timing = self._device.type == "cuda"
+        self._timing_events: list[tuple[str, Any, Any]] = []
         self.steps_skipped = 0  # optimizer steps skipped by the loss scaler (inf/nan gradients)
-        # rank 0's buffers broadcast by step() for the next training forward: [(buffers, flat copy)]
+        # rank 0's buffers (broadcast by step() or at construction) for the training forwards until
+        # the next backward: [(buffers, flat copy)]
         self._staged_buffers: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None
 
         # ---- pipeline state ----
@@ -361,6 +384,7 @@ class DeAR:
         self._no_sync = False
         self._reduced = False  # this iteration's reduce-scatters are done and averaged
         self._scaler: torch.amp.GradScaler | None = grad_scaler
+        self._filtered_scaled = False  # the grad_filter ran while no GradScaler was known
         self._inv_scale: torch.Tensor | None = None  # 1 / scale used by the hooks this iteration
         self._found_inf: torch.Tensor | None = None  # (1,) float32 on the device: local, then global
         self._found_inf_global = False  # _found_inf was all-reduced
@@ -368,6 +392,7 @@ class DeAR:
 
         # ---- initial state from rank 0, as DDP ----
         self._broadcast(list(model.parameters()) + list(model.buffers()), process_group)
+        self._stage_buffers(_flatten(list(model.buffers())))  # copies: the first forward starts here
 
         # ---- hooks ----
         self._handles: list[Any] = []
@@ -424,6 +449,37 @@ class DeAR:
         self._param_loc = layout.param_loc
         self._next_launch = len(self._groups) - 1
 
+    @contextlib.contextmanager
+    def _timed(self, counter: str) -> Iterator[None]:
+        """Add the duration of the block to the float attribute ``counter`` (seconds). On CPU: wall
+        clock. On CUDA: the time the current stream takes to pass the block's work (for a
+        ``.wait()``, how long the stream stalls on the collective: exposed communication), from a
+        pair of CUDA events read later by :meth:`_read_timings` (no host sync here)."""
+        if not self._cuda_timing:
+            t0 = time.perf_counter()
+            yield
+            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            return
+        stream = torch.cuda.current_stream(self._device)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        self._timing_events.append((counter, start, end))
+
+    def _read_timings(self, wait: bool) -> None:
+        """Add the elapsed time of recorded CUDA event pairs to their counters: all of them
+        (``wait``, synchronising on the last) or those already completed (no host sync)."""
+        done = 0
+        for counter, start, end in self._timing_events:
+            if not wait and not end.query():
+                break
+            end.synchronize()
+            setattr(self, counter, getattr(self, counter) + start.elapsed_time(end) / 1e3)
+            done += 1
+        del self._timing_events[:done]
+
     def _mid_iteration(self) -> bool:
         return self._reduced or any(g.launched or g.n_ready for g in self._groups)
 
@@ -467,6 +523,7 @@ class DeAR:
             self._no_sync = old
 
     def _grad_hook(self, p: torch.Tensor) -> None:
+        self._staged_buffers = None  # a backward started: later forwards keep their local buffers
         if self._no_sync:
             return
         k, slot = self._param_loc[id(p)]
@@ -515,26 +572,16 @@ class DeAR:
                 g.grad_buf[off:off + g.params[slot].numel()].zero_()
                 g.grad_buf[g.numel + slot] = 0.0
         g.launched = True
+        g.all_used = all(g.ready)
         g.skipped = False
         g.unscaled = False
         g.sel = None
         count_dense(self, g.nbytes, self.world_size)
         self._hook_unscale(g, g.grad_buf[: g.numel])
         if self.grad_filter is not None:
-            t0 = time.perf_counter()
-            flat = g.grad_buf[: g.numel]
-            out = self.grad_filter(flat, self.iteration, g.index)
-            if out is False:
-                g.skipped = True
-            elif isinstance(out, StridedShard):
-                self._compact(g, out)
-            elif isinstance(out, torch.Tensor):
-                if out.shape != flat.shape:
-                    raise RuntimeError(
-                        f"grad_filter returned shape {tuple(out.shape)}, expected {tuple(flat.shape)}"
-                    )
-                flat.copy_(out)
-            self.compress_seconds += time.perf_counter() - t0
+            self._filtered_scaled |= self._scaler is None
+            with self._timed("compress_seconds"):
+                self._run_filter(g)
             if g.skipped:
                 self.buckets_skipped += 1
                 return
@@ -546,6 +593,19 @@ class DeAR:
         else:
             g.rs_work = reduce_scatter_flat(dst, src, group=self.rs_group, async_op=True)
         count_bytes(self, src.numel() * src.element_size(), "reduce_scatter", self.world_size)
+
+    def _run_filter(self, g: FusionGroup) -> None:
+        """Call the ``grad_filter`` on ``g``'s flat gradient and apply its answer to ``g``."""
+        flat = g.grad_buf[: g.numel]
+        out = self.grad_filter(flat, self.iteration, g.index)
+        if out is False:
+            g.skipped = True
+        elif isinstance(out, StridedShard):
+            self._compact(g, out)
+        elif isinstance(out, torch.Tensor):
+            if out.shape != flat.shape:
+                raise RuntimeError(f"grad_filter returned shape {tuple(out.shape)}, expected {tuple(flat.shape)}")
+            flat.copy_(out)
 
     def _compact(self, g: FusionGroup, sel: StridedShard) -> None:
         """Pack ``sel.values`` and the used flags into compact buffers padded to a multiple of P."""
@@ -572,12 +632,11 @@ class DeAR:
         while self._next_launch >= 0:  # finalisation: same order on every rank
             self._launch_rs(self._groups[self._next_launch])
             self._next_launch -= 1
-        t0 = time.perf_counter()
-        for g in reversed(self._groups):
-            if g.rs_work is not None:
-                g.rs_work.wait()
-                g.rs_work = None
-        self.rs_wait_seconds += time.perf_counter() - t0
+        with self._timed("rs_wait_seconds"):
+            for g in reversed(self._groups):
+                if g.rs_work is not None:
+                    g.rs_work.wait()
+                    g.rs_work = None
         for g in self._groups:
             if g.skipped:
                 g.gathered.zero_()
@@ -605,12 +664,30 @@ class DeAR:
         iterations. Collective: every rank must call it.
 
         Raises:
-            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler``.
+            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler``, is not the GradScaler in use
+                (given at construction or earlier), or comes after a ``grad_filter`` already saw
+                loss-scaled gradients (pass it at construction).
             RuntimeError: if the scaler has no scale yet (``scaler.scale(loss)`` was not called).
         """
         _check_scaler("scaler", scaler, allow_none=False)
-        self._scaler = scaler
+        self._adopt_scaler(scaler)
         self._unscale(scaler)
+
+    def _adopt_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Remember ``scaler`` (a ``step``/``unscale_`` argument) as the one in use, or raise if it
+        conflicts with the known one or comes too late for the ``grad_filter``."""
+        if scaler is None or scaler is self._scaler:
+            return
+        if self._scaler is not None:
+            raise ValueError("scaler must be the GradScaler DeAR uses (given at construction as grad_scaler, or "
+                             "to an earlier step()/unscale_()) or None; got a different GradScaler")
+        if self._filtered_scaled and scaler.is_enabled():
+            raise ValueError(
+                "scaler: the grad_filter (e.g. dear-covap's error-feedback residuals) already saw this run's "
+                "gradients without a GradScaler, i.e. in loss-scaled units; pass the scaler when building "
+                "DeAR (DeAR(..., grad_scaler=scaler), gradsync.wrap(..., scaler=scaler)) instead of only to "
+                "step()/unscale_()/clip_grad_norm_()")
+        self._scaler = scaler
 
     def _unscale(self, scaler: torch.amp.GradScaler) -> None:
         if not scaler.is_enabled():
@@ -703,11 +780,12 @@ class DeAR:
         call ``scaler.update()`` yourself afterwards.
 
         Raises:
-            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler``.
+            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler`` or ``None``, is not the
+                GradScaler in use (given at construction or earlier), or comes after a
+                ``grad_filter`` already saw loss-scaled gradients (pass it at construction).
         """
         _check_scaler("scaler", scaler)
-        if scaler is not None:
-            self._scaler = scaler
+        self._adopt_scaler(scaler)
         scaler = self._scaler
         self._finish_reduce()
         skip = False
@@ -738,12 +816,14 @@ class DeAR:
             self._pending = True
             self._next_apply = 0
             self._next_ag = 0
-        # the next forward's buffer broadcast, while the link is idle (every reduce-scatter is done);
-        # the buffers themselves are written at that forward, as under DDP
-        if self.broadcast_buffers and self.world_size > 1 and self.model.training:
-            self._staged_buffers = self._broadcast_buffers(self.rs_group) or None
+        # the next forward's buffer broadcast, every iteration (never decided by local state), while
+        # the link is idle (every reduce-scatter is done); the buffers are written at that forward
+        if self.broadcast_buffers and self.world_size > 1:
+            self._stage_buffers(self._broadcast_buffers(self.rs_group))
         if not skip:
             self._launch_next_ag()
+        if self._timing_events:
+            self._read_timings(wait=len(self._timing_events) > MAX_TIMING_EVENTS)
         if self._tuner is not None:
             new_mb = self._tuner.observe()
             if new_mb is not None:
@@ -777,9 +857,8 @@ class DeAR:
 
     def _apply(self, g: FusionGroup) -> None:
         if g.ag_work is not None:
-            t0 = time.perf_counter()
-            g.ag_work.wait()
-            self.ag_wait_seconds += time.perf_counter() - t0
+            with self._timed("ag_wait_seconds"):
+                g.ag_work.wait()
             g.ag_work = None
             self._ag_inflight -= 1
         self._launch_next_ag()
@@ -789,12 +868,12 @@ class DeAR:
             g.gathered[g.sel.start:g.numel:g.sel.stride] = g.c_out[:m]
             g.gathered[g.numel:g.numel + n_flags] = g.c_out[m:m + n_flags]
             g.sel = g.c_in = g.c_shard = g.c_out = None
-        flags = g.gathered[g.numel: g.numel + len(g.params)].tolist()
+        used = self._used_flags(g)
         # local gradients accumulated meanwhile (no_sync micro-batches) survive the update
         kept = [None if _is_placeholder(p.grad) else p.grad for p in g.params]
         with torch.no_grad():
             for slot, p in enumerate(g.params):
-                if flags[slot] > 0:
+                if used[slot]:
                     off = g.offsets[slot]
                     p.grad = g.gathered[off:off + p.numel()].view_as(p)
                 else:
@@ -814,32 +893,40 @@ class DeAR:
         for p, grad in zip(g.params, kept):
             p.grad = grad
 
+    @staticmethod
+    def _used_flags(g: FusionGroup) -> list[bool]:
+        """Whether each parameter of ``g`` got a gradient on some rank. Read from the averaged used
+        flags (a host sync on CUDA) only when a parameter got none on this rank: otherwise every
+        flag is at least ``1 / P``."""
+        if g.all_used or g.skipped:
+            return [True] * len(g.params)
+        return [f > 0 for f in g.gathered[g.numel: g.numel + len(g.params)].tolist()]
+
     def _module_pre_hook(self, module: nn.Module, args: Any) -> None:
         # the root's mode decides (a submodule in eval mode, e.g. frozen BatchNorm, is updated too)
         if self._pending and torch.is_grad_enabled() and self.model.training:
             self._apply_through(self._module_group[id(module)])
 
     def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        staged, self._staged_buffers = self._staged_buffers, None  # any forward may change buffers
-        if self.broadcast_buffers and self.world_size > 1 and torch.is_grad_enabled() and module.training:
-            if staged is not None:
-                _unflatten_into(staged)
-            else:
-                # the reduce-scatter group is idle between step() and the next backward; a forward
-                # between backward and step() may find ring reduce-scatters running on it from the
-                # worker thread, so it then uses the all-gather group (only this thread issues there)
-                busy = self.reduce_scatter == "ring" and self._mid_iteration()
-                _unflatten_into(self._broadcast_buffers(self.ag_group if busy else self.rs_group))
+        # no collective here: the buffers were broadcast in step() (or when the wrapper was built)
+        if self._staged_buffers is not None and torch.is_grad_enabled() and module.training:
+            _unflatten_into(self._staged_buffers)
 
     def _drop_staged_buffers(self, *_: Any) -> None:
         self._staged_buffers = None
 
+    def _stage_buffers(self, staged: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Keep ``staged`` (rank 0's buffers) for the training forwards until the next backward."""
+        if self.broadcast_buffers and self.world_size > 1 and staged:
+            self._staged_buffers = staged
+
     def _broadcast_buffers(self, group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Rank 0's buffers, broadcast on ``group`` (the model's buffers are not written)."""
-        t0 = time.perf_counter()
-        staged = self._broadcast_flat(list(self.model.buffers()), group)
-        self.buffer_seconds += time.perf_counter() - t0
-        return staged
+        buffers = list(self.model.buffers())
+        if not buffers:
+            return []
+        with self._timed("buffer_seconds"):
+            return self._broadcast_flat(buffers, group)
 
     def _broadcast(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
         """Synchronous broadcast of ``tensors`` from the group's rank 0, in place."""
@@ -850,15 +937,9 @@ class DeAR:
                         group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
         """Coalesced synchronous broadcast from the group's rank 0, one flat tensor per dtype and
         device: ``[(tensors, rank 0's values flattened)]``; ``tensors`` are not written."""
-        by_dtype: dict[Any, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        out = []
-        with torch.no_grad():
-            for ts in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in ts])
-                dist.broadcast(flat, group=group, group_src=0)
-                out.append((ts, flat))
+        out = _flatten(tensors)
+        for _, flat in out:
+            dist.broadcast(flat, group=group, group_src=0)
         return out
 
     # ------------------------------------------------------------------ public helpers
@@ -870,6 +951,24 @@ class DeAR:
         when nothing is pending. Every rank must call it (it waits for collectives).
         """
         self._apply_through(len(self._groups) - 1)
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's current module buffers now, and make them the ones the next
+        training forward starts from (see "Module buffers" in the module docstring).
+
+        Call it on every rank, between iterations (after ``step()``), after forwards that changed the
+        buffers since ``step()`` and whose changes should be kept, e.g. a BatchNorm recalibration pass
+        under ``no_grad``. One coalesced broadcast per buffer dtype; nothing on one rank.
+
+        Raises:
+            RuntimeError: if called between a backward pass and ``step()``.
+        """
+        if self._mid_iteration():
+            raise RuntimeError("sync_buffers must be called between iterations (after step())")
+        if self.world_size > 1:
+            staged = self._broadcast_buffers(self.rs_group)
+            _unflatten_into(staged)
+            self._stage_buffers(staged)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: ``optimizer.zero_grad(set_to_none)`` (DeAR's placeholders become ``None``)."""
@@ -915,11 +1014,14 @@ class DeAR:
         the buffer broadcasts (``broadcast_buffers``) and the scalar all-reduces of ``unscale_`` /
         ``clip_grad_norm_`` are not counted (DDP's are not visible to the hook algorithms either);
         ``rs_wait_seconds`` and ``ag_wait_seconds`` (s blocked in ``.wait()`` of reduce-scatters and
-        all-gathers: exposed communication); ``buffer_broadcast_seconds`` (s broadcasting buffers);
+        all-gathers: exposed communication; on CUDA the time the current stream stalls there,
+        measured with CUDA events, as are ``compress_seconds`` and the buffer broadcasts: reading
+        them here synchronises with the device); ``buffer_broadcast_seconds`` (s broadcasting buffers);
         ``steps_skipped`` (updates skipped by the GradScaler on inf/nan); ``reduce_scatter``
         (``"ring"`` or ``"native"``); ``fusion_mb`` (threshold in
         use, MB); ``num_groups``; with ``fusion_mb="auto"`` also ``tuning`` (:meth:`FusionTuner.report`).
         """
+        self._read_timings(wait=True)
         out: dict[str, Any] = {
             **counter_stats(self),
             "rs_wait_seconds": self.rs_wait_seconds,
@@ -961,7 +1063,8 @@ class DeAR:
         """Restore a :meth:`state_dict` on every rank, between iterations (after ``step()`` or
         before the first forward). A pending update is applied first and then overwritten; the groups
         are rebuilt with the saved threshold; the ``grad_filter``'s state is restored when both the
-        saved state and the filter have one.
+        saved state and the filter have one; with ``broadcast_buffers`` every rank then takes rank 0's
+        loaded buffers (:meth:`sync_buffers`), as the next training forward would under DDP.
 
         Raises:
             RuntimeError: if called between a backward pass and ``step()``.
@@ -979,6 +1082,8 @@ class DeAR:
         self._build_groups(self.fusion_mb)
         if d.get("grad_filter") is not None and hasattr(self.grad_filter, "load_state_dict"):
             self.grad_filter.load_state_dict(d["grad_filter"])
+        if self.broadcast_buffers:  # per-rank checkpoints hold each rank's own statistics
+            self.sync_buffers()
 
     def remove_hooks(self) -> None:
         """Flush, then remove every hook and the optimizer guard; the model then trains as a plain
@@ -1001,6 +1106,15 @@ class DeAR:
                     setattr(opt, name, self._saved_opt_attrs[name])
                 else:
                     delattr(opt, name)
+
+
+def _flatten(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """``[(tensors of one dtype and device, their values concatenated into a new 1-D tensor)]``."""
+    by_dtype: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        return [(ts, torch.cat([t.detach().reshape(-1) for t in ts])) for ts in by_dtype.values()]
 
 
 def _unflatten_into(staged: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:

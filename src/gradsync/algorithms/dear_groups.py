@@ -52,6 +52,7 @@ class FusionGroup:
     ready: list[bool] = field(default_factory=list)
     n_ready: int = 0
     launched: bool = False
+    all_used: bool = False  # every parameter had a gradient on this rank (so every used flag is > 0)
     skipped: bool = False
     unscaled: bool = False  # gradients already multiplied by 1 / loss scale before the reduce-scatter
     rs_work: Any = None

@@ -32,6 +32,9 @@ class BuildContext:
         seed: seed shared by every rank (random-k, sketches, PowerSGD, the fusion tuner).
         batch_size: samples per step on this rank.
         steps_per_epoch: optimizer steps per epoch (GraVAC's search interval, DGC's warm-up).
+        scaler: the ``torch.amp.GradScaler`` the training step will use (fp16 AMP), else ``None``:
+            DeAR-pipeline algorithms unscale with it before their ``grad_filter`` (dear-covap's
+            residuals stay in unscaled units) and refuse another one at ``step``.
     """
 
     model: nn.Module
@@ -42,6 +45,7 @@ class BuildContext:
     seed: int = 0
     batch_size: int = 1
     steps_per_epoch: int = 0
+    scaler: Optional[torch.amp.GradScaler] = None
 
 
 @dataclass
@@ -256,7 +260,7 @@ class DeARSynchroniser(_Common):
         self.module = ctx.model
         self.optimizer = ctx.make_optimizer(ctx.model.parameters())
         self.wrapper = DeAR(ctx.model, self.optimizer, process_group=ctx.process_group, fusion_mb=fusion_mb,
-                            grad_filter=grad_filter, seed=ctx.seed)
+                            grad_filter=grad_filter, seed=ctx.seed, grad_scaler=ctx.scaler)
         self.grad_filter = grad_filter
         if grad_filter is not None:
             grad_filter.bind(self.wrapper)

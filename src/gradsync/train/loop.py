@@ -73,7 +73,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                            autocast=lambda: precision.autocast(device))
 
     ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb, device=device,
-                       seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch)
+                       seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch,
+                       scaler=precision.scaler)
     dp = build(cfg.algorithm, ctx, cfg.options)
     opt = dp.optimizer
     check_config_agreement(dp.config())
