@@ -1,0 +1,139 @@
+"""One inf in one gradient element on one rank costs exactly one skipped step for every algorithm
+with error feedback (gradsync issue 18, items 1 and 11): real 2-rank Gloo, DDP with several
+buckets, ``torch.amp.GradScaler("cpu")`` at its default initial scale 2**16, the inf injected by a
+parameter hook on rank 0 only at a compressed step. Afterwards: the scale halved exactly once (DDP
+behaviour), every later update is finite, the residuals (and GraVAC's controller, PowerSGD's P/Q
+memories, OSCAR's state) after the skipped step equal those before it bitwise, both ranks hold the
+same parameters. COVAP at K=2 is run with the inf at two consecutive steps, so one run has it in an
+element that step sends and the other in one it does not (asserted from the plan)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run_ranks
+from gradsync.algorithms import REGISTRY, build_hook
+from test_mixed_precision import residual_tensors
+
+STEPS = 12
+INIT_SCALE = 2.0 ** 16
+#: (case id, algorithm, options, step of the inf). Every registry hook with error feedback.
+CASES = [
+    ("covap-fp16-t5", "covap", {"ratio": 2, "cast": "fp16"}, 5),
+    ("covap-fp16-t6", "covap", {"ratio": 2, "cast": "fp16"}, 6),
+    ("covap-t5", "covap", {"ratio": 2}, 5),
+    *[(n, n, {"density": 0.1}, 5) for n in ("topk", "randomk", "dgc", "redsync")],
+    ("qsgd", "qsgd", {}, 5),
+    ("signsgd", "signsgd", {}, 5),
+    ("bf16", "bf16", {}, 5),
+    ("gravac", "gravac", {"search_interval": 2}, 5),
+    ("powersgd", "powersgd", {}, 5),
+    ("oscar-sw", "oscar-sw", {}, 5),
+    ("oscar-asc", "oscar-asc", {}, 5),
+    ("countsketch", "countsketch", {}, 5),
+]
+PARAM, ELEMENT = "2.weight", 7  # the element of the second Linear's weight that gets the inf
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+
+
+def saved_state(state) -> list:
+    """Everything the guard must roll back, as comparable copies."""
+    out = [t.clone() for t in residual_tensors(state)]
+    ts = getattr(state, "torch_state", None)
+    if ts is not None:  # PowerSGD's warm-start memories
+        out += [t.clone() for d in (ts.p_memory_dict, ts.q_memory_dict) for t in d.values()]
+    if hasattr(state, "controller"):
+        out.append(copy.deepcopy(state.controller.state_dict()))
+    for name in ("prev_agg", "zero_mask"):  # OSCAR
+        d = getattr(state, name, None)
+        if isinstance(d, dict):
+            out += [t.clone() for t in d.values()]
+    return out
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b or (a != a and b != b)
+
+
+def sent_at(state, step: int):
+    """Whether COVAP's plan sends the injected element at ``step`` (None for other algorithms)."""
+    if not hasattr(state, "filter"):
+        return None
+    b, off = state.param_index()[PARAM]
+    plan = state.filter.plan
+    return plan.selected_shard(b, step) == (off + ELEMENT) % plan.shards[b]
+
+
+def train_with_one_inf(rank, world, cases):
+    out = {}
+    for case, name, opts, inf_step in cases:
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=1e4 if REGISTRY[name].single_bucket else 0.01)
+        state, hook = build_hook(name, model=model, steps_per_epoch=4, batch_size=8, **opts)
+        ddp.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        step = {"t": 0}
+
+        def inject(g):
+            if rank == 0 and step["t"] == inf_step:
+                g = g.clone()
+                g.view(-1)[ELEMENT] = float("inf")
+            return g
+
+        dict(model.named_parameters())[PARAM].register_hook(inject)
+        gen = torch.Generator().manual_seed(rank)
+        scales, states, params = [], [], []
+        for t in range(STEPS):
+            step["t"] = t
+            opt.zero_grad()
+            x, y = torch.randn(8, 20, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+            scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            states.append(saved_state(state))
+            params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        out[case] = {"scales": scales, "states": states, "params": params, "inf_step": inf_step,
+                     "sent": sent_at(state, inf_step)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(train_with_one_inf, 2, CASES, timeout=600, pg_timeout=60)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_one_inf_costs_exactly_one_step(runs, case):
+    r0, r1 = runs[0][case], runs[1][case]
+    t = r0["inf_step"]
+    for r in (r0, r1):
+        halvings = [i for i in range(STEPS) if r["scales"][i] < (r["scales"][i - 1] if i else INIT_SCALE)]
+        assert halvings == [t], f"{case}: scale per step {r['scales']}"
+        assert r["scales"][-1] == INIT_SCALE / 2, r["scales"]
+        assert same(r["states"][t], r["states"][t - 1]), f"{case}: state changed by the skipped step"
+        assert torch.equal(r["params"][t], r["params"][t - 1]), f"{case}: the skipped step updated parameters"
+        for i in range(t + 1, STEPS):
+            assert torch.isfinite(r["params"][i]).all(), f"{case}: non-finite parameters at step {i}"
+            assert not torch.equal(r["params"][i], r["params"][i - 1]), f"{case}: step {i} did not update"
+            assert all(torch.isfinite(x).all() for x in r["states"][i] if isinstance(x, torch.Tensor)), case
+    for a, b in zip(r0["params"], r1["params"]):
+        assert torch.equal(a, b), f"{case}: replicas diverged"
+
+
+def test_covap_cases_cover_a_sent_and_an_unsent_element(runs):
+    assert {runs[0]["covap-fp16-t5"]["sent"], runs[0]["covap-fp16-t6"]["sent"]} == {True, False}
