@@ -137,3 +137,27 @@ def test_one_inf_costs_exactly_one_step(runs, case):
 
 def test_covap_cases_cover_a_sent_and_an_unsent_element(runs):
     assert {runs[0]["covap-fp16-t5"]["sent"], runs[0]["covap-fp16-t6"]["sent"]} == {True, False}
+
+
+def cast_overflow_run(rank, world):
+    """COVAP K=1 with ``cast="fp16"``: every gradient element is 40,000 on both ranks (fp16 max is
+    65,504): summed before dividing it overflows, divided first (torch's fp16_compress_hook) it is
+    the exact average."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4, bias=False)
+    ddp = DDP(model)
+    state, hook = build_hook("covap", model=model, ratio=1, cast="fp16")
+    ddp.register_comm_hook(state, hook)
+    grads = []
+    for _ in range(4):  # 2 dense start-up steps (float32), then 2 cast steps
+        model.zero_grad()
+        (ddp(torch.ones(1, 8)).sum() * 40000.0).backward()
+        grads.append(model.weight.grad.clone())
+    return grads, [r.clone() for r in state.filter.memory.residuals.values()]
+
+
+def test_fp16_cast_divides_before_the_sum():
+    for grads, residuals in run_ranks(cast_overflow_run, 2, timeout=120):
+        for t, g in enumerate(grads):
+            assert torch.equal(g, torch.full((4, 8), 40000.0)), f"step {t}: {g.flatten()[:4]}"
+        assert residuals and all(torch.equal(r, torch.zeros_like(r)) for r in residuals)  # 20,000 is exact
