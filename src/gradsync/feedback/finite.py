@@ -146,9 +146,7 @@ class FiniteGuard:
             self.rollbacks += 1
             if last is not None:
                 last.fill_(NAN)
-        self._saved = None
-        self._agreed = None
-        self._written = set()
+        self._reset(None)  # the next begin() snapshots again, also after a load_state_dict
         return ok
 
     def __getstate__(self) -> dict[str, Any]:
