@@ -13,7 +13,10 @@ so every rank selects the same elements and a plain all-reduce still works.
 * Round-robin schedule: shard ``s`` of bucket ``b`` has global id ``G = sum_{b'<b} c_b' + s`` and is
   sent at iteration ``t`` iff ``(G + t) mod K == 0``, so each element is sent once every K iterations
   and at most one shard of a bucket is sent per iteration. A bucket with no selected shard launches no
-  collective (DDP receives an already-completed future of zeros).
+  collective (DDP receives an already-completed future of zeros), except the last bucket, which
+  all-reduces the iteration's finite vote (:class:`~gradsync.feedback.finite.FiniteGuard`, 4 bytes);
+  when it sends, the vote is one more element of its shard. A non-finite step keeps the residuals
+  as they were and gives NaN to every rank, so GradScaler skips it once, as with DDP.
 * Discounted error feedback: ``x = lambda_t e + g`` (:class:`~gradsync.feedback.discounted.CovapDiscount`
   as the schedule of a :class:`~gradsync.feedback.residual.ResidualMemory`); the selected shard of ``x``
   is all-reduced (averaged), everything unsent stays in ``e``. Unsent positions have zero gradient this

@@ -27,9 +27,10 @@ DDP-hook integration and the one-step lag
 -----------------------------------------
 The hook sees one bucket at a time, but the branch must be the same for all buckets of a step and on
 all ranks. So the branch used in step t is decided from statistics all-reduced at the **end of step
-t-1**: the hook body of step t-1's last bucket issues one small blocking all-reduce (8 floats) after
-that bucket's own collectives, updates the controller identically on every rank and fixes the branch
-for step t. No collective is ever launched from a ``Future.then`` callback. Consequences: a change of
+t-1**: the hook body of step t-1's last bucket issues one small blocking all-reduce (9 floats: the
+statistics and the finite vote of :class:`~gradsync.feedback.finite.FiniteGuard`) after that bucket's
+own collectives, updates the controller identically on every rank (not at all when a rank saw a
+non-finite input: the step is then rolled back) and fixes the branch for step t. No collective is ever launched from a ``Future.then`` callback. Consequences: a change of
 candidate takes effect one step after the boundary that caused it, and the candidate's gain is first
 known one step after the candidate is first computed (that step sends ``theta_min`` or dense).
 
