@@ -30,9 +30,9 @@ all ranks. So the branch used in step t is decided from statistics all-reduced a
 t-1**: the hook body of step t-1's last bucket issues one small blocking all-reduce (9 floats: the
 statistics and the finite vote of :class:`~gradsync.feedback.finite.FiniteGuard`) after that bucket's
 own collectives, updates the controller identically on every rank (not at all when a rank saw a
-non-finite input: the step is then rolled back) and fixes the branch for step t. No collective is ever launched from a ``Future.then`` callback. Consequences: a change of
-candidate takes effect one step after the boundary that caused it, and the candidate's gain is first
-known one step after the candidate is first computed (that step sends ``theta_min`` or dense).
+non-finite input: the step is then rolled back) and fixes the branch for step t. No collective is
+ever launched from a ``Future.then`` callback. Consequences: a change of candidate takes effect one
+step after the boundary that caused it, and the candidate's gain is first known one step after the candidate is first computed (that step sends ``theta_min`` or dense).
 
 Deviation from the reference: the reference keeps two independent error-feedback memories (one per
 compressor, both updated each step). Here one residual memory is shared: both compressors compress
