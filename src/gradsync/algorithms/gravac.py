@@ -32,7 +32,8 @@ statistics and the finite vote of :class:`~gradsync.feedback.finite.FiniteGuard`
 own collectives, updates the controller identically on every rank (not at all when a rank saw a
 non-finite input: the step is then rolled back) and fixes the branch for step t. No collective is
 ever launched from a ``Future.then`` callback. Consequences: a change of candidate takes effect one
-step after the boundary that caused it, and the candidate's gain is first known one step after the candidate is first computed (that step sends ``theta_min`` or dense).
+step after the boundary that caused it, and the candidate's gain is first known one step after the
+candidate is first computed (that step sends ``theta_min`` or dense).
 
 Deviation from the reference: the reference keeps two independent error-feedback memories (one per
 compressor, both updated each step). Here one residual memory is shared: both compressors compress
