@@ -198,3 +198,45 @@ def test_fp16_cast_divides_before_the_sum():
         for t, g in enumerate(grads):
             assert torch.equal(g, torch.full((4, 8), 40000.0)), f"step {t}: {g.flatten()[:4]}"
         assert residuals and all(torch.equal(r, torch.zeros_like(r)) for r in residuals)  # 20,000 is exact
+
+
+def dear_covap_with_one_inf(rank, world):
+    """dear-covap (COVAP's filter in DeAR's pipeline, fp16 cast) with the scaler known from
+    construction: DeAR's all-reduced found-inf skips the step, and the filter's residuals roll back."""
+    from gradsync.algorithms.dear import DeAR
+    from gradsync.algorithms.dear_covap import CovapGradFilter
+
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    filt = CovapGradFilter(2, cast="fp16")
+    dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=0.05), fusion_mb=0.01, grad_filter=filt,
+                grad_scaler=scaler)
+    filt.bind(dear)
+    inf_step, step = 5, {"t": -1}
+
+    def inject(g):
+        if rank == 0 and step["t"] == inf_step:
+            g = g.clone()
+            g.view(-1)[ELEMENT] = float("inf")
+        return g
+
+    dict(model.named_parameters())[PARAM].register_hook(inject)
+    gen = torch.Generator().manual_seed(rank)
+    out = {"scales": [], "states": [], "params": [], "inf_step": inf_step}
+    for t in range(STEPS):
+        step["t"] = t
+        dear.zero_grad()
+        x, y = torch.randn(8, 20, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+        scaler.scale(nn.functional.cross_entropy(dear(x), y)).backward()
+        dear.step(scaler)
+        dear.flush()
+        out["scales"].append(scaler.get_scale())
+        out["states"].append([e.clone() for e in filt.filter.memory.residuals.values()])
+        out["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return out
+
+
+def test_dear_covap_one_inf_costs_exactly_one_step():
+    r0, r1 = run_ranks(dear_covap_with_one_inf, 2, timeout=300, pg_timeout=60)
+    assert r0["states"][r0["inf_step"]], "the filter kept residuals"
+    check_one_skip(r0, r1, "dear-covap")

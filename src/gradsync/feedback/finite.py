@@ -142,12 +142,20 @@ class FiniteGuard:
         the step was finite. Call it once per iteration on every rank, after every collective."""
         ok = True if self._agreed is None else bool(self._agreed)
         if not ok:
-            restore(self._saved)
-            self.rollbacks += 1
             if last is not None:
                 last.fill_(NAN)
+            self.rollback(restore)
         self._reset(None)  # the next begin() snapshots again, also after a load_state_dict
         return ok
+
+    def rollback(self, restore: Callable[[Any], None]) -> None:
+        """``restore`` the iteration's snapshot now (for a caller that knows by other means that the
+        step is skipped on every rank, e.g. DeAR's all-reduced found-inf) and count a rollback; a
+        no-op when no iteration was begun since the last decision."""
+        if self._iteration is not None:
+            restore(self._saved)
+            self.rollbacks += 1
+        self._reset(None)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"rollbacks": self.rollbacks}
