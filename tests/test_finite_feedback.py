@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from gradsync.algorithms import REGISTRY, build_hook
-from test_mixed_precision import residual_tensors
+from test_mixed_precision import WITH_RESIDUALS, residual_tensors
 
 STEPS = 12
 INIT_SCALE = 2.0 ** 16
@@ -170,6 +170,14 @@ def check_one_skip(r0, r1, case):
             assert all(torch.isfinite(x).all() for x in r["states"][i] if isinstance(x, torch.Tensor)), case
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b), f"{case}: replicas diverged"
+
+
+def test_cases_cover_every_hook_with_state():
+    """Every registry hook algorithm is here except the dense ones (no state to protect)."""
+    hooks = {n for n, spec in REGISTRY.items() if spec.make_hook is not None}
+    covered = {c[1] for c in CASES}
+    assert WITH_RESIDUALS <= covered
+    assert hooks - covered == {"allreduce", "fp16"}
 
 
 def test_covap_cases_cover_a_sent_and_an_unsent_element(runs):
