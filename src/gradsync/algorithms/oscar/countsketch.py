@@ -131,6 +131,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
         self.compress_seconds += time.perf_counter() - t0
         dist.all_reduce(sk.table, group=self.comm_group)
         self.count_collective(sk.table, kind="allreduce")
+        self.finite_guard.agree(sk.table)  # a local inf reaches every rank's table, selected or not
         k = max(1, math.ceil(self.heavy_fraction * cols))
         if self.variant == "local_ef":
             t0 = time.perf_counter()
