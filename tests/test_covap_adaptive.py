@@ -194,8 +194,8 @@ def test_cast_matches_fp32_and_keeps_the_rounding_error(cast, dtype, rtol):
         for b, raw in raw_buckets.items():
             e, s, c = residuals[b], selected[b], shards[b]
             expect = raw.clone()  # nothing was held before the first compressed step: x = g
-            if s is not None:
-                expect[s::c] = raw[s::c] - raw[s::c].to(dtype).to(torch.float32)
+            if s is not None:  # sent: x / P narrowed (divided before the cast); kept: x - P * sent
+                expect[s::c] = raw[s::c] - (raw[s::c] / 2).to(dtype).to(torch.float32) * 2
                 rounding += int((expect[s::c] != 0).sum())
             assert torch.equal(e, expect), "residual = unsent gradient + rounding error of the sent shard"
         assert rounding > 0, "fp16/bf16 rounded some of the sent values"

@@ -219,3 +219,55 @@ def test_config_mismatch_on_load():
     a = GravacState(window=4)
     with pytest.raises(ValueError, match="does not match"):
         GravacState(window=5).load_state_dict(a.state_dict())
+
+
+def _host_reads_per_bucket(rank, world_size):
+    """Host reads (``float()``, ``.item()``, ``.tolist()`` of a tensor) inside each hook call of the
+    compressed steps, as ``(is_last, count)``."""
+    counting = {"on": False, "n": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in ("__float__", "item", "tolist")}
+
+    def counted(fn):
+        def wrapper(self, *a, **k):
+            if counting["on"]:
+                counting["n"] += 1
+            return fn(self, *a, **k)
+        return wrapper
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(_model(), bucket_cap_mb=0.004)
+    state = GravacState(model=ddp.module, window=2, search_interval=2, epsilon=0.3, omega=0.0)
+    calls = []
+
+    def hook(st, bucket):
+        counting["on"], counting["n"] = st.iteration >= st.start_iter, 0
+        try:
+            return gravac_hook(st, bucket)
+        finally:
+            if counting["on"]:
+                calls.append((bucket.is_last(), counting["n"]))
+            counting["on"] = False
+
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for name in originals:
+        setattr(torch.Tensor, name, counted(originals[name]))
+    try:
+        for step in range(8):
+            _step(ddp, opt, state, rank, step, record=False)
+    finally:
+        for name, fn in originals.items():
+            setattr(torch.Tensor, name, fn)
+    return calls, [b for _, b in state.cf_history]
+
+
+def test_hook_reads_the_device_once_per_step():
+    """Item 5 of issue 18: the norms stay device tensors; the only host read of a compressed step is
+    the statistics vector after its all-reduce, in the last bucket (the old hook read two or three
+    norms per bucket)."""
+    for calls, _ in run_ranks(_host_reads_per_bucket, 2, timeout=120):
+        assert sum(1 for last, _ in calls if last) == 6  # 8 steps, 2 dense
+        assert len(calls) > 6  # several buckets per step
+        assert all(n == 0 for last, n in calls if not last), calls
+        assert all(n == 1 for last, n in calls if last), calls

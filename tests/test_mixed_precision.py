@@ -104,9 +104,11 @@ def test_covap_sends_the_bucket_dtype(low_precision_runs, dtype):
     dense = low_precision_runs[0][(dtype, "allreduce")]["stats"]
     assert dense["payload_bytes"] == dense["dense_payload_bytes"]
     assert dense["wire_bytes"] == dense["dense_wire_bytes"]  # 2 ranks: a ring all-reduce sends n
-    # 2 dense iterations + 3 at K=2: bytes ~ (2 + 3/2) / 5 of dense
-    assert stats["payload_bytes"] <= 0.8 * stats["dense_payload_bytes"], stats
-    assert stats["wire_bytes"] <= 0.8 * stats["dense_wire_bytes"], stats
+    # 2 dense iterations + 3 at K=2: bytes ~ (2 + 3/2) / 5 of dense, plus at most 4 bytes per compressed
+    # iteration for the finite vote (FiniteGuard) its last bucket all-reduces (2 ranks: wire = payload)
+    vote = 3 * 4
+    assert stats["payload_bytes"] - vote <= 0.8 * stats["dense_payload_bytes"], stats
+    assert stats["wire_bytes"] - vote <= 0.8 * stats["dense_wire_bytes"], stats
 
 
 def test_covap_filter_keeps_the_rounding_error_of_a_narrow_send():

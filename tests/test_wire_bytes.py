@@ -142,13 +142,15 @@ def test_allreduce_and_fp16(runs):
 
 def test_covap_sends_the_whole_bucket_every_kth_iteration(runs):
     # one bucket => one shard (c = 1), sent at iterations t with t % K == 0 (COVAP §3 round robin);
-    # iterations 0 and 1 are the dense warm-up (start_iter = 2)
+    # iterations 0 and 1 are the dense warm-up (start_iter = 2). Every compressed iteration's last
+    # bucket also all-reduces the float32 finite vote (FiniteGuard): one more element of the sent
+    # shard, or a 4-byte all-reduce of its own when the bucket is dropped.
     p, results = runs
     sent = [t < 2 or t % K == 0 for t in range(STEPS)]
+    payload = [4 * N if t < 2 else (4 * N if sent[t] else 0) + 4 for t in range(STEPS)]
     res = results[0]["covap"]
-    _check_steps(res, lambda t: ring_allreduce(4 * N, p) if sent[t] else 0.0,
-                 lambda t: 4 * N if sent[t] else 0, p)
-    assert res["stats"]["compression_ratio"] == pytest.approx(STEPS / sum(sent), rel=1e-12)
+    _check_steps(res, lambda t: ring_allreduce(payload[t], p), lambda t: payload[t], p)
+    assert res["stats"]["compression_ratio"] == pytest.approx(STEPS * 4 * N / sum(payload), rel=1e-12)
     assert res["stats"]["buckets_skipped"] == STEPS - sum(sent)
 
 
@@ -156,10 +158,12 @@ def test_topk_all_gather_counts_every_other_ranks_block(runs):
     p, results = runs
     k = math.ceil(DENSITY * N)
     m = k * (4 + 4)  # float32 values + int32 indices, one padded block per rank (fixed size: no sizes gather)
+    vote = ring_allreduce(4, p)  # the last bucket's 1-element float32 finite vote (FiniteGuard)
     res = results[0]["topk"]
-    _check_steps(res, lambda t: (p - 1) * m, lambda t: m, p)
-    assert res["stats"]["compression_ratio"] == pytest.approx(ring_allreduce(4 * N, p) / ((p - 1) * m), rel=1e-12)
-    assert res["stats"]["last_step"]["wire_bytes"] == pytest.approx((p - 1) * m, rel=1e-12)
+    _check_steps(res, lambda t: (p - 1) * m + vote, lambda t: m + 4, p)
+    assert res["stats"]["compression_ratio"] == pytest.approx(ring_allreduce(4 * N, p) / ((p - 1) * m + vote),
+                                                              rel=1e-12)
+    assert res["stats"]["last_step"]["wire_bytes"] == pytest.approx((p - 1) * m + vote, rel=1e-12)
     assert res["stats"]["last_step"]["dense_wire_bytes"] == pytest.approx(ring_allreduce(4 * N, p), rel=1e-12)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import wire_bytes
+from ..feedback.finite import FiniteGuard
 
 
 class HookState:
@@ -96,6 +97,34 @@ class HookState:
     def compression_timer(self) -> "HookState._Timer":
         """Context manager adding the elapsed time to ``compress_seconds``."""
         return HookState._Timer(self)
+
+    @property
+    def finite_guard(self) -> FiniteGuard:
+        """The state's :class:`~gradsync.feedback.finite.FiniteGuard` (created at first use, also in
+        states pickled before it existed): a step whose aggregated gradient is not finite restores the
+        state it changed."""
+        guard = self.__dict__.get("_finite_guard")
+        if guard is None:
+            guard = self._finite_guard = FiniteGuard()
+        return guard
+
+    def guarded(self, bucket: Any, fut: torch.futures.Future,
+                verdict: "torch.futures.Future | torch.Tensor | None" = None) -> torch.futures.Future:
+        """A compressed iteration's bucket future under :attr:`finite_guard` (after its
+        ``begin(iteration, self._snapshot)``): tracked, or for the last bucket the future that
+        completes after the iteration's finite decision (``verdict``: the guard element summed over
+        ranks, ``None`` when only aggregated values decide), which restores :meth:`_restore` and
+        returns NaN in the last bucket when the step is not finite."""
+        if not bucket.is_last():
+            return self.finite_guard.track(fut)
+        return self.finite_guard.finish(fut, verdict, self._restore)
+
+    def _snapshot(self) -> Any:
+        """What a rolled-back step restores (:class:`~gradsync.feedback.finite.FiniteGuard`)."""
+        return None
+
+    def _restore(self, saved: Any) -> None:
+        """Put back :meth:`_snapshot`'s result."""
 
     # -- controller calls (see gradsync.algorithms.synchroniser) ----------------------------------
     #: True when the algorithm chooses a setting from the measured CCR (then :meth:`calibrate` is called).

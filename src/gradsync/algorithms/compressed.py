@@ -142,6 +142,13 @@ class CompressedState(HookState):
         """The density (fraction of elements sent) of the step that just finished."""
         return {"density": self.last_step["density"]} if "density" in self.last_step else {}
 
+    def _snapshot(self) -> Any:
+        return self.memory.snapshot() if self.memory is not None else None
+
+    def _restore(self, saved: Any) -> None:
+        if self.memory is not None:
+            self.memory.restore(saved)
+
     # -- reporting and checkpoints --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Cumulative counters of :meth:`HookState.stats` plus ``density`` (selected / compressed
@@ -176,7 +183,11 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
     """DDP comm hook: compress the bucket (with error feedback if enabled), exchange, average.
 
     Dense all-reduce for the first ``state.start_iter`` iterations. All collectives are issued from
-    this function, in bucket order; the returned future's callback only decompresses locally.
+    this function, in bucket order; the returned future's callback only decompresses locally. On
+    compressed iterations the last bucket also all-reduces one float32 (this rank's "every
+    compensated input finite", :class:`~gradsync.feedback.finite.FiniteGuard`): a step whose inputs
+    or result are not finite on some rank restores the residuals and returns NaN in the last bucket
+    on every rank, so GradScaler skips it everywhere, as with DDP.
 
     Args:
         state: a :class:`CompressedState`.
@@ -198,6 +209,8 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
     key = bucket.index()
     rank = dist.get_rank(group)
     timer = lambda: _StepTimer(state, rec)  # noqa: E731
+    guard = state.finite_guard
+    guard.begin(state.iteration, state._snapshot)
     with timer():
         g = buf.detach().reshape(-1).to(torch.float32)
         if state.memory is not None:
@@ -205,20 +218,23 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
             payload, ctx, _ = state.memory.compress(
                 state.compressor, g, key, step=state.iteration, rank=rank, layout=layout
             )
+            guard.check(g, state.memory.residuals[key])
         else:
             payload, ctx = state.compressor.compress(g, step=state.iteration, key=key, rank=rank)
+            guard.check(g)
     rec["selected"] += ctx.selected
     rec["numel"] += ctx.numel
     state.selected_elements += ctx.selected
     state.compressed_elements += ctx.numel
     fut = communicate(state.compressor, payload, ctx, group, count, timer)
+    verdict = guard.launch_verdict(group, buf.device, count) if bucket.is_last() else None
     state._finish_bucket(bucket, rec)
 
     def write_back(f: torch.futures.Future) -> torch.Tensor:
         buf.copy_(f.value().view_as(buf))
         return buf
 
-    return fut.then(write_back)
+    return state.guarded(bucket, fut.then(write_back), verdict)
 
 
 @dataclass(frozen=True)

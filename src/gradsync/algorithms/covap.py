@@ -13,7 +13,10 @@ so every rank selects the same elements and a plain all-reduce still works.
 * Round-robin schedule: shard ``s`` of bucket ``b`` has global id ``G = sum_{b'<b} c_b' + s`` and is
   sent at iteration ``t`` iff ``(G + t) mod K == 0``, so each element is sent once every K iterations
   and at most one shard of a bucket is sent per iteration. A bucket with no selected shard launches no
-  collective (DDP receives an already-completed future of zeros).
+  collective (DDP receives an already-completed future of zeros), except the last bucket, which
+  all-reduces the iteration's finite vote (:class:`~gradsync.feedback.finite.FiniteGuard`, 4 bytes);
+  when it sends, the vote is one more element of its shard. A non-finite step keeps the residuals
+  as they were and gives NaN to every rank, so GradScaler skips it once, as with DDP.
 * Discounted error feedback: ``x = lambda_t e + g`` (:class:`~gradsync.feedback.discounted.CovapDiscount`
   as the schedule of a :class:`~gradsync.feedback.residual.ResidualMemory`); the selected shard of ``x``
   is all-reduced (averaged), everything unsent stays in ``e``. Unsent positions have zero gradient this
@@ -157,21 +160,25 @@ class CovapFilter:
         return self.plan
 
     def split(self, key: int, flat: torch.Tensor, iteration: int, ef_step: int,
-              layout: Any = None,
-              send_dtype: Optional[torch.dtype] = None) -> Optional[Tuple[int, int, torch.Tensor]]:
+              layout: Any = None, send_dtype: Optional[torch.dtype] = None,
+              world: int = 1) -> Optional[Tuple[int, int, torch.Tensor]]:
         """Error-compensate bucket ``key``'s flat gradient (1-D, ``plan.numels[key]`` elements, any
         floating dtype, not modified) and select this iteration's shard; the unsent rest becomes the
         residual, kept in float32 on ``flat``'s device.
 
         Args:
             send_dtype: dtype of the returned values (default float32). A narrower dtype (the
-                bucket's bfloat16/float16) sends what the bucket holds; the rounding error of the
-                selected values stays in the residual, so no gradient mass is lost.
+                bucket's bfloat16/float16, or a ``cast``) sends what the bucket holds; the rounding
+                error of the selected values stays in the residual, so no gradient mass is lost.
+            world: the selected values are divided by ``world`` (>= 1, e.g. the world size) in
+                float32 before they are narrowed to ``send_dtype``, as torch's
+                ``fp16_compress_hook`` does, so a sum over ``world`` ranks overflows only where the
+                average would; the residual holds ``x - world * float(sent)``.
 
         Returns:
             ``None`` if the bucket sends nothing at ``iteration``, else ``(shard, c, values)`` with
-            ``values = x[shard::c]`` (``send_dtype``, ``ceil((n - shard) / c)`` elements, local and
-            not yet averaged) for ``c`` shards of the bucket.
+            ``values = x[shard::c] / world`` (``send_dtype``, ``ceil((n - shard) / c)`` elements, local
+            and not yet summed) for ``c`` shards of the bucket.
         """
         x = self.memory.compensate(flat, key, layout, step=ef_step)
         shard = self.plan.selected_shard(key, iteration)
@@ -179,13 +186,7 @@ class CovapFilter:
             self.memory.store(key, x)
             return None
         c = self.plan.shards[key]
-        values = x[shard::c].clone()
-        if send_dtype is None or send_dtype == torch.float32:
-            x[shard::c] = 0
-        else:
-            sent = values.to(send_dtype)
-            x[shard::c] = values - sent.to(torch.float32)
-            values = sent
+        values, x[shard::c] = narrow(x[shard::c], send_dtype, world)
         self.memory.store(key, x)
         return shard, c, values
 
@@ -207,6 +208,19 @@ class CovapFilter:
         self.memory.load_state_dict(state["memory"])
 
 
+def narrow(values: torch.Tensor, send_dtype: Optional[torch.dtype], world: int = 1
+           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(sent, kept)`` for float32 ``values`` about to be summed over ``world`` ranks: ``sent`` is
+    ``values / world`` (divided in float32) in ``send_dtype`` (``None``: float32) and ``kept =
+    values - world * float(sent)`` (float32, what the residual keeps: zero for a float32 send, the
+    rounding error of a narrower one)."""
+    sent = values / world if world != 1 else values.clone()
+    if send_dtype is None or send_dtype == torch.float32:
+        return sent, torch.zeros_like(values)
+    sent = sent.to(send_dtype)
+    return sent, values - sent.to(torch.float32) * world
+
+
 class CovapState(HookState):
     """State of :func:`covap_hook`.
 
@@ -223,8 +237,9 @@ class CovapState(HookState):
             own collectives (:mod:`gradsync.algorithms.covap_adapt`); 0 or ``None`` (default):
             K stays fixed. Every rank switches K at the same step boundary; residuals are kept.
         cast: ``"fp16"``, ``"bf16"`` or ``None`` (default: the bucket's dtype): the selected shard
-            is all-reduced (summed) in that dtype and divided by the world size in float32 on
-            receipt; the rounding error of the cast stays in the error-feedback residual.
+            is divided by the world size in float32, then cast and all-reduced (summed) in that
+            dtype, as torch's ``fp16_compress_hook``; the rounding error of the cast stays in the
+            error-feedback residual.
         hysteresis: relative band of :class:`~gradsync.algorithms.covap_adapt.RatioAdapter`, in [0, 1).
         max_ratio: largest K that ``"auto"`` and ``adapt_every`` may choose, in [1, 32] (default 32,
             COVAP's limit); a fixed ``ratio`` must not exceed it.
@@ -314,6 +329,16 @@ class CovapState(HookState):
                          self.filter.ratio, new)
                 self.filter.set_ratio(new, keep_discount=True)
 
+    def send_dtype(self, buf: torch.Tensor) -> torch.dtype:
+        """The dtype the selected values of bucket ``buf`` travel in (``cast``, else the bucket's)."""
+        return buf.dtype if self.cast_dtype is None else self.cast_dtype
+
+    def _snapshot(self) -> Any:
+        return self.filter.memory.snapshot()
+
+    def _restore(self, saved: Any) -> None:
+        self.filter.memory.restore(saved)
+
     def layout_of(self, bucket: dist.GradBucket) -> Any:
         return bucket_layout(bucket, self.param_names)
 
@@ -383,9 +408,14 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     (float32, bfloat16 or float16) on their device; the returned future holds the averaged gradient
     of the same shape, dtype and device with unsent positions zero. The shard is sent in the
     bucket's dtype (as DDP's own reduction does), or with ``state.cast`` in float16/bfloat16
-    (summed in that dtype, divided by the world size in float32 on receipt); residuals are kept in
-    float32. Bytes counted: the contiguous shard handed to ``all_reduce`` (``numel / c_b`` elements)
-    or nothing for a dropped bucket. With ``state.adapter``, the first call of an iteration may
+    (divided by the world size in float32 before the cast, then summed in that dtype); residuals are
+    kept in float32. A compressed iteration is decided finite or not on every rank together
+    (:class:`~gradsync.feedback.finite.FiniteGuard`): its last bucket's all-reduce carries one more
+    element (or, when that bucket sends nothing, a 1-element all-reduce is issued for it), and a
+    non-finite result restores the residuals and returns NaN in the last bucket, so GradScaler skips
+    the step on every rank. Bytes counted: the contiguous shard handed to ``all_reduce``
+    (``numel / c_b`` elements, one more in the last bucket) or nothing for a dropped bucket (4 bytes
+    when it is the last). With ``state.adapter``, the first call of an iteration may
     all-reduce the timing window and change K (:meth:`CovapState.step_boundary`).
 
     Raises:
@@ -421,41 +451,76 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
             return _remapped_bucket(state, bucket, layout)
         log.warning("COVAP: DDP has not rebuilt its buckets since the state was restored and the state has no "
                     "parameter names (pass model=); bucket %d is all-reduced densely this iteration", index)
+        state.finite_guard.begin(t, state._snapshot)
         fut = dense_allreduce(buf, state.process_group, state.count_collective)
         state.end_bucket(bucket)
-        return fut
+        return _decide(state, bucket, fut)
     if bucket.is_last():
         state._awaiting_rebuild = False
 
     state.filter.plan_for(state.recorded_numels())
-    cast = state.cast_dtype
+    guard = state.finite_guard
+    guard.begin(t, state._snapshot)
     with state.compression_timer():
-        selected = state.filter.split(index, buf, t, t - state.start_iter,
-                                      send_dtype=buf.dtype if cast is None else cast)
-        if selected is None:
-            buf.zero_()
-        else:
-            shard, c, values = selected
-            send = values.div_(world) if cast is None else values
+        selected = state.filter.split(index, buf, t, t - state.start_iter, send_dtype=state.send_dtype(buf),
+                                      world=world)
+        guard.check(state.filter.memory.residuals[index], *selected[2:] if selected else ())
     if selected is None:
+        return _send(state, bucket, None, None)
+    shard, c, values = selected
+    return _send(state, bucket, values, (shard, c))
+
+
+def _send(state: CovapState, bucket: dist.GradBucket, send: Optional[torch.Tensor],
+          where: Any) -> torch.futures.Future:
+    """All-reduce ``send`` (this rank's selected values, already divided by the world size; ``None``:
+    the bucket sends nothing) and scatter the sum into the zeroed bucket at ``where`` (``(shard, c)``
+    for ``buf[shard::c]``, or an index tensor). The iteration's last bucket carries the
+    :class:`~gradsync.feedback.finite.FiniteGuard` element (or all-reduces it alone when it sends
+    nothing) and its future completes after the iteration's decision."""
+    buf = bucket.buffer()
+    guard = state.finite_guard
+    last = bucket.is_last()
+    if send is None:
+        buf.zero_()
         state.buckets_skipped += 1
         state.end_bucket(bucket)
-        return _completed(buf)
-
+        return _decide(state, bucket, _completed(buf))
+    if last:
+        send = torch.cat([send, guard.local_element(send.dtype, send.device)])
     state.count_collective(send)
     state.end_bucket(bucket)
+    timer = state.timer
     ident = timer.launched(send.numel()) if timer is not None else None
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
 
     def scatter_back(f: torch.futures.Future) -> torch.Tensor:
         if ident is not None:
             timer.completed(ident)
-        buf.zero_()
         received = f.value()[0]
-        buf[shard::c] = received if cast is None else received.to(torch.float32).div_(world)
+        if last:
+            guard.agree(received[-1:])
+            received = received[:-1]
+        buf.zero_()
+        if isinstance(where, tuple):
+            buf[where[0]::where[1]] = received
+        else:
+            buf[where] = received.to(buf.dtype)
         return buf
 
-    return work.get_future().then(scatter_back)
+    return _decide(state, bucket, work.get_future().then(scatter_back), carried=True)
+
+
+def _decide(state: CovapState, bucket: dist.GradBucket, fut: torch.futures.Future,
+            carried: bool = False) -> torch.futures.Future:
+    """Track a compressed iteration's bucket future; at the last bucket return the future that
+    completes after the iteration's finite decision (a verdict all-reduce is issued here when the
+    last bucket's own collective did not carry it)."""
+    verdict = None
+    if bucket.is_last() and not carried:
+        verdict = state.finite_guard.launch_verdict(state.process_group, bucket.buffer().device,
+                                                    state.count_collective)
+    return state.guarded(bucket, fut, verdict)
 
 
 def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) -> torch.futures.Future:
@@ -471,15 +536,17 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
     where = state.param_index()
     state.remapped_buckets += 1
     sends, positions = [], []
-    cast = state.cast_dtype
-    send_dtype = buf.dtype if cast is None else cast
+    send_dtype = state.send_dtype(buf)
+    world = state.world_size
+    guard = state.finite_guard
+    guard.begin(t, state._snapshot)
     with state.compression_timer():
         cur = 0
         for name, n in layout:
             b, off = where[name]
             x = buf[cur:cur + n].to(torch.float32, copy=True)
-            e = memory.residuals.get(b)
-            if e is not None:
+            if b in memory.residuals:
+                e = guard.copy_on_write(memory.residuals, b)  # written in place below
                 x.add_(e[off:off + n], alpha=lam)
             else:
                 e = memory.residuals[b] = torch.zeros(plan.numels[b], dtype=torch.float32, device=buf.device)
@@ -487,37 +554,17 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
             if shard is not None:
                 c = plan.shards[b]
                 first = (shard - off) % c
-                sent = x[first::c].to(send_dtype, copy=True)
+                sent, x[first::c] = narrow(x[first::c], send_dtype, world)
                 sends.append(sent)
                 positions.append(torch.arange(cur + first, cur + n, c, device=buf.device))
-                x[first::c] -= sent.to(torch.float32)  # 0, or the rounding error of a narrower dtype
+            guard.check(x)
             e[off:off + n] = x
             cur += n
     if not sends:
-        buf.zero_()
-        state.buckets_skipped += 1
-        state.end_bucket(bucket)
-        return _completed(buf)
+        return _send(state, bucket, None, None)
     send = torch.cat(sends)
-    if cast is None:
-        send.div_(state.world_size)
-    index = torch.cat(positions)
-    state.count_collective(send)
-    state.end_bucket(bucket)
-    timer = state.timer
-    ident = timer.launched(send.numel()) if timer is not None else None
-    work = dist.all_reduce(send, group=state.process_group, async_op=True)
-    world = state.world_size
-
-    def scatter_back(f: torch.futures.Future) -> torch.Tensor:
-        if ident is not None:
-            timer.completed(ident)
-        buf.zero_()
-        received = f.value()[0]
-        buf[index] = received if cast is None else received.to(torch.float32).div_(world)
-        return buf
-
-    return work.get_future().then(scatter_back)
+    guard.check(send)
+    return _send(state, bucket, send, torch.cat(positions))
 
 
 def _numels(layout: Any) -> list[int]:

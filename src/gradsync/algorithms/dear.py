@@ -802,6 +802,8 @@ class DeAR:
         self.iteration += 1
         if skip:
             self.steps_skipped += 1
+            if hasattr(self.grad_filter, "rollback"):  # a skipped step changes no filter state (residuals)
+                self.grad_filter.rollback()
             self._drop_placeholders()
             for g in self._groups:
                 g.sel = g.c_in = g.c_shard = g.c_out = None

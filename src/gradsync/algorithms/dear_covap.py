@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from ..compressors.covap_shards import MAX_RATIO
+from ..feedback.finite import FiniteGuard
 from ..options import option
 from .covap import CASTS, CovapFilter, cast_dtype
 from .dear import StridedShard
@@ -105,11 +106,26 @@ class CovapGradFilter:
             self.filter.memory.clear()
         self.filter.plan_for(sizes)
         wire = self.cast_dtype or flat.dtype
+        self.guard.begin(step, self.filter.memory.snapshot)
         selected = self.filter.split(group, flat, step, step, send_dtype=wire)
         if selected is None:
             return False
         shard, c, values = selected  # residuals stay float32, holding the rounding error of the wire dtype
         return values if c == 1 and wire == flat.dtype else StridedShard(shard, c, values)
+
+    @property
+    def guard(self) -> FiniteGuard:
+        """Holds the residuals as they were before the current iteration (see :meth:`rollback`)."""
+        guard = self.__dict__.get("_guard")
+        if guard is None:
+            guard = self._guard = FiniteGuard()
+        return guard
+
+    def rollback(self) -> None:
+        """Put the residuals back as they were before this iteration: DeAR calls it on every rank
+        when GradScaler skips the step (its found-inf is all-reduced), so a skipped step changes no
+        state (:mod:`gradsync.feedback.finite`)."""
+        self.guard.rollback(self.filter.memory.restore)
 
     def state_dict(self) -> dict[str, Any]:
         return self.filter.state_dict()

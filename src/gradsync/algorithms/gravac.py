@@ -27,11 +27,13 @@ DDP-hook integration and the one-step lag
 -----------------------------------------
 The hook sees one bucket at a time, but the branch must be the same for all buckets of a step and on
 all ranks. So the branch used in step t is decided from statistics all-reduced at the **end of step
-t-1**: the hook body of step t-1's last bucket issues one small blocking all-reduce (8 floats) after
-that bucket's own collectives, updates the controller identically on every rank and fixes the branch
-for step t. No collective is ever launched from a ``Future.then`` callback. Consequences: a change of
-candidate takes effect one step after the boundary that caused it, and the candidate's gain is first
-known one step after the candidate is first computed (that step sends ``theta_min`` or dense).
+t-1**: the hook body of step t-1's last bucket issues one small blocking all-reduce (9 floats: the
+statistics and the finite vote of :class:`~gradsync.feedback.finite.FiniteGuard`) after that bucket's
+own collectives, updates the controller identically on every rank (not at all when a rank saw a
+non-finite input: the step is then rolled back) and fixes the branch for step t. No collective is
+ever launched from a ``Future.then`` callback. Consequences: a change of candidate takes effect one
+step after the boundary that caused it, and the candidate's gain is first known one step after the
+candidate is first computed (that step sends ``theta_min`` or dense).
 
 Deviation from the reference: the reference keeps two independent error-feedback memories (one per
 compressor, both updated each step). Here one residual memory is shared: both compressors compress
@@ -39,6 +41,7 @@ the same ``x = g + e`` and ``e`` is updated from the payload actually sent (``e 
 step, which sends ``x``). This keeps the invariant "applied updates + residual = sum of gradients".
 """
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -199,8 +202,10 @@ class GravacState(HookState):
         return count
 
     def _end_of_step(self, rec: dict[str, Any], device: torch.device) -> None:
-        """Last bucket: all-reduce this step's statistics (float64 ``[8]`` on ``device``, the
-        bucket's device) and update the controller (hook body only)."""
+        """Last bucket: all-reduce this step's statistics (float64 ``[9]`` on ``device``, the
+        bucket's device: norms, throughputs and the :class:`~gradsync.feedback.finite.FiniteGuard`
+        vote) and update the controller unless the vote says a rank saw a non-finite input (hook
+        body only). ``rec``'s norms become the means over ranks."""
         now = time.perf_counter()
         timed = self.batch_size / (now - self._last_time) if self._last_time is not None else 0.0
         timed_flag = 1.0 if self._last_time is not None else 0.0
@@ -208,23 +213,26 @@ class GravacState(HookState):
         rec["density"] = rec["selected"] / rec["numel"] if rec["numel"] else 1.0
         if self.iteration >= self.start_iter:
             rec_flag = 1.0 if self._recorded is not None else 0.0
-            vec = torch.tensor(
-                [rec["ng"], rec["nmin"], rec["nc"], float(rec["has_c"]),
-                 self._recorded or 0.0, rec_flag, timed, timed_flag],
-                dtype=torch.float64, device=device,
-            )
+            local = [rec["ng"], rec["nmin"], rec["nc"], float(rec["has_c"]), self._recorded or 0.0, rec_flag, timed,
+                     timed_flag]
+            # the 9th element is the step's finite vote (FiniteGuard): 0, or NaN if an input was not finite
+            vec = torch.cat([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(1) for v in local]
+                            + [self.finite_guard.local_element(torch.float64, device)])
             self._counter(rec)(vec, kind="allreduce")
             dist.all_reduce(vec, group=self.process_group)
             p = self.world_size
-            ng, nmin, nc, has_c, rec_sum, rec_n, timed_sum, timed_n = vec.tolist()
-            self.controller.update(
-                self.iteration,
-                ng / p,
-                nmin / p,
-                nc / p if has_c == p else None,
-                tput_prev=rec_sum if rec_n == p else None,
-                tput_cur=timed_sum if rec_n != p and timed_n == p else None,
-            )
+            ng, nmin, nc, has_c, rec_sum, rec_n, timed_sum, timed_n, vote = vec.tolist()  # the step's one sync
+            rec["ng"], rec["nmin"], rec["nc"] = ng / p, nmin / p, nc / p
+            if math.isfinite(vote):  # a non-finite step leaves the controller as it was
+                self.controller.update(
+                    self.iteration,
+                    ng / p,
+                    nmin / p,
+                    nc / p if has_c == p else None,
+                    tput_prev=rec_sum if rec_n == p else None,
+                    tput_cur=timed_sum if rec_n != p and timed_n == p else None,
+                )
+            rec["verdict"] = vec[8:]
         self._recorded = None
         rec["gain_min"] = self.controller.gain_min
         rec["gain_candidate"] = self.controller.gain_c
@@ -234,6 +242,13 @@ class GravacState(HookState):
         self.last_step = rec
         self.cf_history.append((rec["iteration"], rec["compression_factor"]))
         self._cur = None
+
+    def _snapshot(self) -> Any:
+        return self.memory.snapshot(), self.controller.state_dict()
+
+    def _restore(self, saved: Any) -> None:
+        self.memory.restore(saved[0])
+        self.controller.load_state_dict(saved[1])
 
     # -- reporting and checkpoints --------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -289,8 +304,9 @@ class GravacState(HookState):
         self._cur = None
 
 
-def _norm(t: torch.Tensor) -> float:
-    return float(t.norm()) if t.numel() else 0.0
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """L2 norm of ``t`` as a float64 scalar on its device (no host sync)."""
+    return torch.linalg.vector_norm(t, dtype=torch.float64)
 
 
 def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -320,9 +336,12 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
     key = bucket.index()
     rank = dist.get_rank(group)
     step = state.iteration
+    guard = state.finite_guard
+    guard.begin(step, state._snapshot)
     t0 = time.perf_counter()
     g = buf.detach().reshape(-1).to(torch.float32)
     x = state.memory.compensate(g, key, bucket_layout(bucket, state.param_names))
+    guard.check(x)
     rec["ng"] += _norm(g)
     cmin = state._compressor(ctrl.theta_min)
     p_min, ctx_min = cmin.compress(x, step=step, key=key, rank=rank)
@@ -360,7 +379,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
         buf.copy_(f.value().view_as(buf))
         return buf
 
-    return fut.then(write_back)
+    return state.guarded(bucket, fut.then(write_back), rec.pop("verdict", None))
 
 
 @dataclass(frozen=True)

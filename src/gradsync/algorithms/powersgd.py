@@ -58,6 +58,16 @@ class PowerSGDHookState(HookState):
             start_powerSGD_iter=self.start_iter, use_error_feedback=True, warm_start=True,
             random_seed=seed)
 
+    def _snapshot(self) -> Any:
+        # torch replaces error tensors but computes P and Q into its warm-start memories in place
+        ts = self.torch_state
+        return (dict(ts.error_dict), {k: v.clone() for k, v in ts.p_memory_dict.items()},
+                {k: v.clone() for k, v in ts.q_memory_dict.items()})
+
+    def _restore(self, saved: Any) -> None:
+        ts = self.torch_state
+        ts.error_dict, ts.p_memory_dict, ts.q_memory_dict = (dict(d) for d in saved)
+
     def config(self) -> dict[str, Any]:
         return {"algorithm": "powersgd", "matrix_approximation_rank": self.matrix_approximation_rank,
                 "start_iter": self.start_iter}
@@ -101,11 +111,20 @@ class _Float32Bucket:
 
 def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's ``powerSGD_hook`` on ``bucket`` (``[numel]`` of float32, or of bfloat16/float16, then
-    compressed through a float32 copy: see the module docstring), counting the bytes it sends."""
+    compressed through a float32 copy: see the module docstring), counting the bytes it sends.
+
+    On compressed iterations a non-finite input on any rank reaches every rank's result (through the
+    all-reduced factors P and Q and the dense all-reduce of 1-D tensors), so the result decides
+    (:class:`~gradsync.feedback.finite.FiniteGuard`, no extra collective): a non-finite step
+    restores torch's error dict and its warm-start P/Q memories and returns NaN, so GradScaler
+    skips it on every rank."""
     buf = bucket.buffer()
     ts = state.torch_state
     before = ts.total_numel_after_compression
-    low_precision = buf.dtype in (torch.float16, torch.bfloat16) and ts.iter >= ts.start_powerSGD_iter
+    compressed = ts.iter >= ts.start_powerSGD_iter
+    low_precision = buf.dtype in (torch.float16, torch.bfloat16) and compressed
+    if compressed:
+        state.finite_guard.begin(state.iteration, state._snapshot)
     with state.compression_timer():
         if low_precision:
             copy = _Float32Bucket(bucket)
@@ -117,7 +136,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     state.count_payload((sent if sent else buf.numel()) * itemsize, "allreduce",
                         collectives=1 if sent == 0 else 2)  # P and Q are all-reduced
     state.end_bucket(bucket)
-    return fut
+    return state.guarded(bucket, fut) if compressed else fut
 
 
 SPEC = hook_algorithm(

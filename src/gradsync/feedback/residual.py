@@ -121,6 +121,15 @@ class ResidualMemory:
         """Keep ``residual`` (1-D: what was not sent this step) as ``e[key]``, as float32."""
         self.residuals[key] = residual.to(torch.float32)
 
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        """The memory's contents for :meth:`restore` (references: every method replaces residual
+        tensors instead of writing into them)."""
+        return dict(self.residuals), dict(self.layouts), dict(self._pool)
+
+    def restore(self, saved: tuple[dict, dict, dict]) -> None:
+        """Put back what :meth:`snapshot` returned."""
+        self.residuals, self.layouts, self._pool = (dict(d) for d in saved)
+
     def total(self) -> torch.Tensor:
         """Sum of all residual elements (float64 scalar on the CPU), for mass-conservation checks."""
         tensors = list(self.residuals.values()) + list(self._pool.values())

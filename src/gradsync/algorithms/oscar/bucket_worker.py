@@ -115,7 +115,10 @@ def dense_bucket(state: Any, buf: torch.Tensor) -> torch.Tensor:
 def reduce_bucket(state: Any, bucket: dist.GradBucket, after_last: Callable[[], None] | None = None
                   ) -> torch.futures.Future:
     """Dense all-reduce before ``start_iter``, then ``state.reduce`` of the flat bucket, in place,
-    advancing the iteration counters; submitted to the state's bucket worker.
+    advancing the iteration counters; submitted to the state's bucket worker. A compressed iteration
+    whose aggregated buckets are not all finite (identical on every rank: these reductions carry a
+    local inf into every rank's result) restores ``state._snapshot()`` and returns NaN in its last
+    bucket (:class:`~gradsync.feedback.finite.FiniteGuard`), so GradScaler skips it on every rank.
 
     Args:
         state: an :class:`OrderedBucketWorker` hook state with ``reduce(flat, key)``, ``start_iter``,
@@ -136,9 +139,13 @@ def reduce_bucket(state: Any, bucket: dist.GradBucket, after_last: Callable[[], 
         if state.iteration < state.start_iter:
             dense_bucket(state, buf)
         else:
+            guard = state.finite_guard
+            guard.begin(state.iteration, state._snapshot)
             buf.copy_(state.reduce(buf.view(-1), index).view_as(buf))
+            guard.agree(buf)  # the aggregated bucket, identical on every rank
             if is_last:
                 state.compressed_iterations += 1
+                guard.conclude(state._restore, buf)
         state.end_bucket_of(buf, is_last)
         if is_last and after_last is not None:
             after_last()

@@ -100,6 +100,12 @@ class CountSketchState(OrderedBucketWorker, HookState):
         d["_hash_cache"] = HashCache()
         return d
 
+    def _snapshot(self) -> Any:
+        return dict(self.accumulators)
+
+    def _restore(self, saved: Any) -> None:
+        self.accumulators = dict(saved)
+
     def state_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "accumulators": {k: v.clone() for k, v in self.accumulators.items()}}
 
@@ -125,6 +131,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
         self.compress_seconds += time.perf_counter() - t0
         dist.all_reduce(sk.table, group=self.comm_group)
         self.count_collective(sk.table, kind="allreduce")
+        self.finite_guard.agree(sk.table)  # a local inf reaches every rank's table, selected or not
         k = max(1, math.ceil(self.heavy_fraction * cols))
         if self.variant == "local_ef":
             t0 = time.perf_counter()
@@ -141,7 +148,7 @@ class CountSketchState(OrderedBucketWorker, HookState):
         acc = self.accumulators.get(key)
         if acc is None or acc.shape != sk.table.shape:
             acc = torch.zeros_like(sk.table)
-        acc += sk.table / p
+        acc = acc + sk.table / p  # a new tensor: the guard's snapshot keeps the old one
         sk.table = acc
         idx, vals = sk.heavy_hitters(torch.arange(n), k=k, hashed=hashed)
         removed = CountSketch(self.sketch_rows, cols, seed=DEFAULT_SEED + self.seed).accumulate(vals, idx)

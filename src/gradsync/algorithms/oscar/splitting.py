@@ -235,6 +235,16 @@ class OscarState(OrderedBucketWorker, HookState):
                 "exact_recovery", "drain_flagged", "chunking", "asc_alpha", "asc_decay", "start_iter", "seed")
         return {"algorithm": type(self).__name__, **{k: getattr(self, k) for k in keys}}
 
+    def _snapshot(self) -> Any:
+        # error, prev_agg and zero_mask entries are replaced each step; the ASC models update in place
+        return (dict(self.error), dict(self.prev_agg), dict(self.zero_mask),
+                {k: c.state_dict() for k, c in self.coders.items()})
+
+    def _restore(self, saved: Any) -> None:
+        error, prev_agg, zero_mask, coders = saved
+        self.error, self.prev_agg, self.zero_mask = dict(error), dict(prev_agg), dict(zero_mask)
+        self.coders = {k: ASCRingCoder.from_state_dict(c) for k, c in coders.items()}
+
     def state_dict(self) -> dict[str, Any]:
         gen = self._gen_state()
         return {
