@@ -158,3 +158,28 @@ def test_dear_covap_refuses_a_different_or_late_grad_scaler():
     for other, late in run_ranks(_scaler_errors, 2):
         assert "different GradScaler" in other
         assert "loss-scaled units" in late and "grad_scaler=scaler" in late
+
+
+def _cast_overflow(rank, world):
+    """dear-covap K=1, fp16 cast: every gradient element is 40,000 on every rank (fp16 max 65,504);
+    summed before dividing it overflows, divided first it is the exact average."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4, bias=False)
+    filt = CovapGradFilter(1, cast="fp16")
+    dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=1.0), fusion_mb=0.01, grad_filter=filt)
+    filt.bind(dear)
+    deltas = []
+    for _ in range(3):
+        before = model.weight.detach().clone()
+        dear.zero_grad()
+        (dear(torch.ones(1, 8)).sum() * 40000.0).backward()
+        dear.step()
+        dear.flush()
+        deltas.append(before - model.weight.detach())
+    return deltas
+
+
+def test_dear_covap_cast_divides_before_the_sum():
+    for deltas in run_ranks(_cast_overflow, 2, timeout=120):
+        for t, d in enumerate(deltas):
+            assert torch.allclose(d, torch.full((4, 8), 40000.0), rtol=1e-6), f"step {t}: {d.flatten()[:4]}"

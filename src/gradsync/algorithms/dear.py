@@ -180,11 +180,15 @@ class StridedShard:
     ``flat[start::stride]`` of a group, whose values to send are ``values`` (1-D,
     ``len(range(start, numel, stride))`` elements, the group's dtype or a narrower floating dtype
     such as float16 to communicate in). The other positions get a zero averaged gradient. Only this
-    compact tensor (plus the used flags and padding, in ``values``' dtype) is communicated."""
+    compact tensor (plus the used flags and padding, in ``values``' dtype) is communicated.
+    ``averaged``: ``values`` are already divided by the world size (a narrow wire dtype whose sum
+    must not overflow, as torch's ``fp16_compress_hook`` divides first); the used flags are then
+    divided too and the reduced sum is not divided again."""
 
     start: int
     stride: int
     values: torch.Tensor
+    averaged: bool = False
 
 
 class DeAR:
@@ -620,6 +624,8 @@ class DeAR:
         g.c_in = torch.zeros(padded, dtype=wire, device=dev)
         g.c_in[:m] = sel.values
         g.c_in[m:m + n_flags] = g.grad_buf[g.numel:g.numel + n_flags]
+        if sel.averaged:
+            g.c_in[m:m + n_flags].div_(self.world_size)
         g.c_shard = torch.zeros(padded // self.world_size, dtype=wire, device=dev)
         g.c_out = torch.zeros(padded, dtype=wire, device=dev)
         g.sel = sel
@@ -641,8 +647,10 @@ class DeAR:
             if g.skipped:
                 g.gathered.zero_()
                 g.gathered[g.numel: g.numel + len(g.params)] = 1.0
-            else:
-                (g.c_shard if g.sel is not None else g.shard).div_(self.world_size)
+            elif g.sel is None:
+                g.shard.div_(self.world_size)
+            elif not g.sel.averaged:
+                g.c_shard.div_(self.world_size)
             g.ready = [False] * len(g.params)
             g.n_ready = 0
             g.launched = False

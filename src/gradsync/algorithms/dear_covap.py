@@ -107,11 +107,13 @@ class CovapGradFilter:
         self.filter.plan_for(sizes)
         wire = self.cast_dtype or flat.dtype
         self.guard.begin(step, self.filter.memory.snapshot)
-        selected = self.filter.split(group, flat, step, step, send_dtype=wire)
+        cast = self.cast_dtype is not None  # divided by P before the narrow sum, as covap's cast
+        world = self._dear.world_size if cast else 1
+        selected = self.filter.split(group, flat, step, step, send_dtype=wire, world=world)
         if selected is None:
             return False
         shard, c, values = selected  # residuals stay float32, holding the rounding error of the wire dtype
-        return values if c == 1 and wire == flat.dtype else StridedShard(shard, c, values)
+        return values if c == 1 and wire == flat.dtype else StridedShard(shard, c, values, averaged=cast)
 
     @property
     def guard(self) -> FiniteGuard:

@@ -126,6 +126,16 @@ def split_by_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
 
 
+def _coders_from_state(coders: dict[Any, Any]) -> dict[int, "ASCRingCoder"]:
+    """ASC coders rebuilt from their state dicts (only ``mode="asc"`` has any, so only it imports
+    :mod:`gradsync.coding`)."""
+    if not coders:
+        return {}
+    from gradsync.coding.asc import ASCRingCoder
+
+    return {int(k): ASCRingCoder.from_state_dict(c) for k, c in coders.items()}
+
+
 class OscarState(OrderedBucketWorker, HookState):
     """State of :func:`oscar_hook` (OSCAR-SW and OSCAR with ASC, reconstructed).
 
@@ -243,7 +253,7 @@ class OscarState(OrderedBucketWorker, HookState):
     def _restore(self, saved: Any) -> None:
         error, prev_agg, zero_mask, coders = saved
         self.error, self.prev_agg, self.zero_mask = dict(error), dict(prev_agg), dict(zero_mask)
-        self.coders = {k: ASCRingCoder.from_state_dict(c) for k, c in coders.items()}
+        self.coders = _coders_from_state(coders)
 
     def state_dict(self) -> dict[str, Any]:
         gen = self._gen_state()
@@ -261,12 +271,7 @@ class OscarState(OrderedBucketWorker, HookState):
         self.error = {int(k): v.clone() for k, v in state["error"].items()}
         self.prev_agg = {int(k): v.clone() for k, v in state["prev_agg"].items()}
         self.zero_mask = {int(k): v.clone() for k, v in state["zero_mask"].items()}
-        if state["coders"]:
-            from gradsync.coding.asc import ASCRingCoder
-
-            self.coders = {int(k): ASCRingCoder.from_state_dict(c) for k, c in state["coders"].items()}
-        else:
-            self.coders = {}
+        self.coders = _coders_from_state(state["coders"])
         self._generator = None
         self._rng_state = None if state["rng_state"] is None else state["rng_state"].clone()
 
