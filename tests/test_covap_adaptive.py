@@ -260,7 +260,15 @@ def test_options_validate_cast_and_adapt_every():
         make_options("covap", {"adapt_every": -3})
     opts = make_options("covap", {"cast": "bf16", "adapt_every": 10})
     assert opts.cast == "bf16" and opts.adapt_every == 10
-    assert make_options("covap", {}).adapt_every == 0 and make_options("covap", {}).cast is None
+    assert make_options("covap", {}).adapt_every is None and make_options("covap", {}).cast is None
+    # None: follow the network with ratio=auto (AUTO_ADAPT_EVERY), K fixed otherwise; 0 with auto:
+    # calibrate once from the start-up iterations, then keep K
+    from gradsync.algorithms.covap import AUTO_ADAPT_EVERY
+
+    assert CovapState(ratio=3).adapter is None and CovapState(ratio=3).timer is None
+    assert CovapState(ratio="auto").adapter.adapt_every == AUTO_ADAPT_EVERY
+    fixed_after_calibration = CovapState(ratio="auto", adapt_every=0)
+    assert fixed_after_calibration.adapter.adapt_every == 0 and not fixed_after_calibration.adapter.due(40)
 
 
 def test_cli_ratio_auto_turns_adaptation_on():

@@ -140,6 +140,13 @@ class GradsyncHook(Callback):
         ``restore_checkpoint_after_setup``); runs before the first training step."""
         self._apply_pending(trainer)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """At the end of a fit (also one that failed): remove what the state hooked onto
+        ``pl_module`` (COVAP's forward hook for its timing), so fitting the same module again adds
+        no second hook. The state stays readable (``stats()``)."""
+        if stage == "fit" and self.state is not None and hasattr(self.state, "close"):
+            self.state.close()
+
     def stats(self) -> dict[str, Any]:
         """``state.stats()`` of the current fit (``{}`` when no hook is registered)."""
         return self.state.stats() if self.state is not None else {}
