@@ -256,6 +256,9 @@ class CovapState(HookState):
             dense start-up iterations.
         remapped_buckets: buckets compressed through the recorded layout after a restore, before
             DDP's bucket rebuild.
+        bucket_warning: the warning of :func:`~gradsync.profiler.ccr.bucket_overlap_warning` when the
+            layout recorded at start-up has too few buckets to overlap with the backward pass (also
+            logged once, on rank 0, and in :meth:`stats`), else ``None``.
         adapter: the :class:`~gradsync.algorithms.covap_adapt.RatioAdapter` (``None`` when K is fixed
             and not ``"auto"``).
         cast_dtype: the wire dtype selected by ``cast`` (``None``: the bucket's).
@@ -269,7 +272,10 @@ class CovapState(HookState):
     timer: Any = None
     cast: Optional[str] = None
     cast_dtype: Optional[torch.dtype] = None
+    bucket_warning: Optional[str] = None
     _boundary_iter = -1
+    _forward_handle = None
+    _wire_scale = 1.0
 
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
@@ -375,6 +381,18 @@ class CovapState(HookState):
                          self.filter.ratio, new)
                 self.filter.set_ratio(new, keep_discount=True)
 
+    def check_buckets(self, element_size: int) -> Optional[str]:
+        """Once the start-up iterations have recorded DDP's layout: set :attr:`bucket_warning` (and
+        log it on rank 0) when there are too few buckets for K (``auto`` before calibration: K = 1)
+        to overlap with the backward pass. Returns the warning or ``None``."""
+        from ..profiler.ccr import bucket_overlap_warning
+
+        msg = bucket_overlap_warning(self.recorded_numels(), element_size, 1 if self.needs_ccr else self.ratio)
+        if msg is not None and msg != self.bucket_warning and dist.get_rank(self.process_group) == 0:
+            log.warning("COVAP: %s", msg)
+        self.bucket_warning = msg
+        return msg
+
     def _calibrate_from_window(self, device: torch.device) -> None:
         """``auto``'s first K, from the start-up window, identical on every rank (one all-reduce);
         a window without information (no backward time seen) retries at the next iteration."""
@@ -413,6 +431,8 @@ class CovapState(HookState):
         s.update(self.filter.stats())
         s["ef_discount"] = self.filter.discount(max(0, self.iteration - self.start_iter))
         s["remapped_buckets"] = self.remapped_buckets
+        if self.bucket_warning is not None:
+            s["bucket_warning"] = self.bucket_warning
         if self.adapter is not None:
             s["covap_k_changes"] = self.adapter.changes
             s.update({"covap_" + k: v for k, v in self.adapter.last.items()})
@@ -506,6 +526,8 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
             state._param_index = None
             state._layout_iter = t
         state.layouts[index] = layout
+        if bucket.is_last() and t == state.start_iter - 1:  # the layout compression will run on
+            state.check_buckets(buf.element_size())
         return _timed_dense(state, bucket)
 
     if state.layouts.get(index) != layout:
