@@ -102,3 +102,14 @@ def test_train_chooses_bucket_cap_mb_and_warns_for_large_buckets(tmp_path):
     assert s["bucket_cap_mb"] == 25.0
     assert f"use bucket_cap_mb={expected:g}" in s["bucket_warning"]
     assert "bucket_cap_mb=" in out and err.count("use bucket_cap_mb=") == 1  # logged once (rank 0)
+
+
+def test_train_config_bucket_cap_mb_takes_auto_or_a_positive_number():
+    from gradsync.train.config import TrainConfig
+
+    assert TrainConfig().bucket_cap_mb == "auto" and TrainConfig(bucket_cap_mb=2).bucket_cap_mb == 2
+    with pytest.raises(ValueError, match="bucket_cap_mb.*'auto'"):
+        TrainConfig(bucket_cap_mb="big")
+    for bad in (0, 2000):
+        with pytest.raises(ValueError, match=r"bucket_cap_mb must be in \(0.0, 1024.0\]"):
+            TrainConfig(bucket_cap_mb=bad)
