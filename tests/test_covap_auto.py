@@ -64,6 +64,23 @@ def test_auto_calibrates_itself_from_its_first_iterations():
     assert cfg0["ratio"] != "auto" and cfg0["adapt_every"] == AUTO_ADAPT_EVERY
 
 
+def _wrap_run(rank, world):
+    import gradsync
+
+    module = make_model()
+    ddp = gradsync.wrap(module, torch.optim.SGD(module.parameters(), lr=0.01), "covap", bucket_cap_mb=0.01,
+                        ratio="auto")
+    for step in range(6):
+        backward_step(ddp, rank, step)
+    state = ddp.gradsync_state
+    return state.filter.calibrated, state.ratio, state.stats()["covap_ccr"]
+
+
+def test_wrap_calibrates_auto_too():
+    r0, r1 = run_ranks(_wrap_run, 2, timeout=120)
+    assert r0 == r1 and r0[0] and r0[1] == ratio_for_ccr(r0[2])
+
+
 def test_explicit_calibration_is_kept():
     """train/bench calibrate after their warm-up: the hook must not calibrate a second time."""
     results = run_ranks(_auto_run, 2, 8, 2.5, timeout=120)
