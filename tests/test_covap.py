@@ -181,9 +181,10 @@ def _covap_ddp(module, state=None):
     return ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05)
 
 
-def restore_into_fresh_ddp(rank, world, steps_before, steps_after):
+def restore_into_fresh_ddp(rank, world, steps_before, steps_after, saved_dtype=None):
     """Train, save the COVAP state, restore it into a fresh DDP (buckets not rebuilt yet) and go on;
-    compare with the same run uninterrupted."""
+    compare with the same run uninterrupted. ``saved_dtype``: the saved residuals are converted to
+    it first (a stand-in for a checkpoint restored on another device than the buckets')."""
     torch.manual_seed(0)
     reference = make_model()
     ddp, state, opt = _covap_ddp(reference)
@@ -194,15 +195,20 @@ def restore_into_fresh_ddp(rank, world, steps_before, steps_after):
     ddp, state, opt = _covap_ddp(module)
     _steps(ddp, opt, rank, range(steps_before), state)
     saved = state.state_dict()
+    if saved_dtype is not None:
+        memory = saved["filter"]["memory"]
+        memory["residuals"] = {k: v.to(saved_dtype) for k, v in memory["residuals"].items()}
     restored = CovapState(ratio=4, model=module)
     restored.load_state_dict(saved)
     fresh, restored, opt = _covap_ddp(module, restored)
     per_step: list[int] = []
-    _steps(fresh, opt, rank, range(steps_before, steps_before + steps_after), restored, per_step)
+    _steps(fresh, opt, rank, range(steps_before, steps_before + 1), restored, per_step)
+    kinds = {(str(e.device), e.dtype) for e in restored.filter.memory.residuals.values()}
+    _steps(fresh, opt, rank, range(steps_before + 1, steps_before + steps_after), restored, per_step)
     flat = [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in (reference, module)]
     dense = sum(p.numel() for p in module.parameters()) * 4
     return (per_step, dense, flat[0], flat[1], float(state.filter.memory.total()), restored.iteration,
-            restored.remapped_buckets)
+            restored.remapped_buckets, kinds)
 
 
 def test_restored_state_continues_the_uninterrupted_run():
@@ -210,10 +216,24 @@ def test_restored_state_continues_the_uninterrupted_run():
     changed'). Now the iteration before DDP's bucket rebuild finds every parameter by name in the
     recorded layout, so the resumed run equals the uninterrupted one (bitwise at 2 ranks)."""
     r0, r1 = run_ranks(restore_into_fresh_ddp, 2, 5, 4, timeout=120)
-    per_step, dense, reference, resumed, residual_mass, iteration, remapped = r0
+    per_step, dense, reference, resumed, residual_mass, iteration, remapped, _ = r0
     assert remapped > 0, "the fresh DDP's first layout differs from the recorded one"
     assert residual_mass != 0.0, "residuals were saved"
     assert all(b < dense / 2 for b in per_step), f"compressed from the first step: {per_step} vs dense {dense}"
     assert iteration == 9
     assert torch.equal(resumed, reference), f"max diff {(resumed - reference).abs().max()}"
     assert torch.equal(resumed, r1[3]), "replicas identical"
+
+
+def test_restored_residuals_move_to_the_buckets_device_and_dtype():
+    """A checkpoint restored with ``map_location="cpu"`` holds CPU residuals; the buckets compressed
+    through the recorded layout (before DDP's rebuild) used them in place, so CUDA buckets crashed.
+    No second device here: float64 residuals stand in for "not the bucket's device/dtype" (the same
+    ``.to(device, float32)`` moves both); after the first resumed step every residual is float32 on
+    the bucket's device and the run still equals the uninterrupted one bitwise."""
+    r0, r1 = run_ranks(restore_into_fresh_ddp, 2, 5, 3, torch.float64, timeout=120)
+    for r in (r0, r1):
+        reference, resumed, remapped, kinds = r[2], r[3], r[6], r[7]
+        assert remapped > 0
+        assert kinds == {("cpu", torch.float32)}, kinds
+        assert torch.equal(resumed, reference), f"max diff {(resumed - reference).abs().max()}"

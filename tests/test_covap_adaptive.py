@@ -96,6 +96,69 @@ def test_k_rises_then_falls_on_every_rank_and_keeps_the_residuals():
         assert saved["filter"]["ratio"] == 3 and saved["adapter"]["changes"] == 2
 
 
+class StepFedTimer(CommTimer):
+    """:class:`FedTimer` keyed to the step the timing belongs to (``state.iteration - 1`` whenever a
+    step is closed or peeked), so an interrupted and resumed run is fed the same times."""
+
+    def __init__(self, dense_s, backward_s=0.1):
+        super().__init__()
+        self.dense_s, self.backward_s, self.state = dense_s, backward_s, None
+
+    def _fed(self, real):
+        if real is None:
+            return None
+        comm = self.dense_s(self.state.iteration - 1) * real.sent_elements / real.dense_elements
+        return StepTiming(self.backward_s, comm, max(0.0, comm - self.backward_s), real.sent_elements,
+                          real.dense_elements)
+
+    def finish_step(self):
+        return self._fed(super().finish_step())
+
+    def peek_step(self):
+        return self._fed(super().peek_step())
+
+
+def resumable_run(rank, world, steps, high_until, save_after):
+    """COVAP with adapt_every=5 fed step-keyed timings; with ``save_after`` the state is saved after
+    that many steps and restored into a fresh DDP and CovapState, which finish the run."""
+    def fed_state():
+        timer = StepFedTimer(lambda s: (1.0 if s < high_until else 0.25) * (1 + 0.1 * rank))
+        st = CovapState(ratio=2, lam0=1.0, ramp_steps=1, adapt_every=5, timer=timer, model=module)
+        timer.state = st
+        return st
+
+    module = make_model()
+    model = DDP(module, bucket_cap_mb=0.01)
+    state = fed_state()
+    model.register_comm_hook(state, covap_hook)
+    ks = []
+    for step in range(steps):
+        if step == save_after:
+            saved = pickle.loads(pickle.dumps(state.state_dict()))
+            model = DDP(module, bucket_cap_mb=0.01)
+            state = fed_state()
+            state.load_state_dict(saved)
+            model.register_comm_hook(state, covap_hook)
+        backward_step(model, rank, step)
+        ks.append(state.ratio)
+    return ks, state.remapped_buckets
+
+
+def test_resumed_run_chooses_the_same_k_at_the_same_steps():
+    """The adaptation window (and the step still open at the save) is in the state dict: a run
+    saved after step 9, in the middle of the window 7-11 that decides at iteration 12, and
+    restored into a fresh DDP takes every decision of the uninterrupted run. Timings are fed by the
+    step (as in the test above), so both runs see the same numbers; without the window the resumed
+    run decided from steps 9-10 only (CCR median 6.25 -> K 7, against 10)."""
+    steps = 30
+    whole = run_ranks(resumable_run, 2, steps, 10, None, timeout=120)
+    resumed = run_ranks(resumable_run, 2, steps, 10, 9, timeout=120)
+    assert resumed[0][1] > 0, "the restored state met the fresh DDP's first layout"
+    assert whole[0][0] == whole[1][0] and resumed[0][0] == resumed[1][0]
+    assert len(set(whole[0][0])) >= 3, f"K changed twice: {whole[0][0]}"
+    assert resumed[0][0] == whole[0][0]
+
+
 def real_timing(rank, world, steps):
     module = make_model()
     model = DDP(module, bucket_cap_mb=0.01)
@@ -260,7 +323,15 @@ def test_options_validate_cast_and_adapt_every():
         make_options("covap", {"adapt_every": -3})
     opts = make_options("covap", {"cast": "bf16", "adapt_every": 10})
     assert opts.cast == "bf16" and opts.adapt_every == 10
-    assert make_options("covap", {}).adapt_every == 0 and make_options("covap", {}).cast is None
+    assert make_options("covap", {}).adapt_every is None and make_options("covap", {}).cast is None
+    # None: follow the network with ratio=auto (AUTO_ADAPT_EVERY), K fixed otherwise; 0 with auto:
+    # calibrate once from the start-up iterations, then keep K
+    from gradsync.algorithms.covap import AUTO_ADAPT_EVERY
+
+    assert CovapState(ratio=3).adapter is None and CovapState(ratio=3).timer is None
+    assert CovapState(ratio="auto").adapter.adapt_every == AUTO_ADAPT_EVERY
+    fixed_after_calibration = CovapState(ratio="auto", adapt_every=0)
+    assert fixed_after_calibration.adapter.adapt_every == 0 and not fixed_after_calibration.adapter.due(40)
 
 
 def test_cli_ratio_auto_turns_adaptation_on():

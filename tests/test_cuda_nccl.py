@@ -379,3 +379,91 @@ def test_dear_timings_are_measured_on_the_device(dear_job):
         assert r["rs_wait_seconds"] + r["ag_wait_seconds"] + r["compress_seconds"] < r["wall"], r
         assert r["buffer_broadcast_seconds"] == 0.0  # no buffers: nothing broadcast
         assert r["syncs"] == 0, r
+
+
+def _covap_timing_job(rank, world, device):
+    """COVAP's online K on the device: the hook's timings against synchronised references, K chosen
+    on every rank alike, and a state restored on the CPU (``map_location="cpu"``) continuing on
+    the device."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradsync.algorithms.covap import CovapState, covap_hook
+
+    width, n = (2048, 2048) if device.type == "cuda" else (256, 256)
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                           nn.Linear(width, 10)).to(device)
+    x, y = torch.randn(n, width, device=device), torch.randint(0, 10, (n,), device=device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # reference: the backward pass timed with a synchronisation on each side (no communication)
+    backward_ref = []
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(module(x), y)
+        sync()
+        t0 = time.perf_counter()
+        loss.backward()
+        sync()
+        backward_ref.append(time.perf_counter() - t0)
+        module.zero_grad(set_to_none=True)
+    ddp = DDP(module, bucket_cap_mb=1, device_ids=[device.index] if device.type == "cuda" else None)
+    state = CovapState(ratio="auto", adapt_every=3, model=module)
+    ddp.register_comm_hook(state, covap_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    ks, timings = [], []
+    for step in range(12):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        ks.append(state.ratio)
+        pending = state.timer.peek_step()
+        timings.append((pending.backward_s, pending.comm_s, pending.sent_elements))
+    out = {"ks": ks, "timings": timings, "backward_ref": sorted(backward_ref)[len(backward_ref) // 2],
+           "ccr": state.stats()["covap_ccr"], "calibrated": state.filter.calibrated}
+    saved = {k: v for k, v in state.state_dict().items()}
+    on_cpu = {**saved, "filter": {**saved["filter"], "memory": {
+        **saved["filter"]["memory"],
+        "residuals": {k: v.cpu() for k, v in saved["filter"]["memory"]["residuals"].items()}}}}
+    restored = CovapState(ratio="auto", adapt_every=3, model=module)
+    restored.load_state_dict(on_cpu)
+    fresh = DDP(module, bucket_cap_mb=1, device_ids=[device.index] if device.type == "cuda" else None)
+    fresh.register_comm_hook(restored, covap_hook)
+    opt = torch.optim.SGD(fresh.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(fresh(x), y).backward()
+        opt.step()
+    out["restored_devices"] = sorted({str(e.device) for e in restored.filter.memory.residuals.values()})
+    out["restored_finite"] = all(bool(torch.isfinite(e).all()) for e in restored.filter.memory.residuals.values())
+    out["remapped"] = restored.remapped_buckets
+    return out
+
+
+@pytest.fixture(scope="module")
+def covap_job():
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return world, _run(_covap_timing_job, world)
+
+
+def test_covap_adaptive_k_times_the_device(covap_job):
+    """NCCL completes a collective's future when it is enqueued and the host runs ahead of the GPU:
+    host clocks read the backward pass as its kernel launches and the communication as ~0, so every
+    rank fell to K = 1. On CUDA the events must see at least half of the synchronised backward time
+    (the hook's window runs from the end of the forward to the last bucket, the part of the backward
+    that produces the gradients; the host's launch time of these 2048-wide layers is a small fraction
+    of it), a busy time for every step that sent, and one K on every rank. (On Gloo/CPU the ranks
+    share cores with each other, so only ``> 0`` is checked there.)"""
+    _, results = covap_job
+    for r in results:
+        assert r["calibrated"] and r["ccr"] >= 0
+        for backward_s, comm_s, sent in r["timings"]:
+            assert backward_s >= (0.5 * r["backward_ref"] if CUDA else 1e-6), (backward_s, r["backward_ref"])
+            assert (comm_s > 0) == (sent > 0)
+        assert r["restored_devices"] and all(_on_device(d) for d in r["restored_devices"]), r["restored_devices"]
+        assert r["restored_finite"] and r["remapped"] > 0
+    assert len({tuple(r["ks"]) for r in results}) == 1, "every rank uses the same K at every step"
+    assert len({r["ccr"] for r in results}) == 1

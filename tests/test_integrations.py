@@ -109,8 +109,8 @@ def _lightning_job(out: Path) -> None:
             self.seen = {"iteration": s.iteration, "residuals": _residual_sums(s),
                          "device": str(next(iter(s.filter.memory.residuals.values())).device)}
 
-    def fit(callbacks, epochs, ckpt_path=None, checkpoint=False, bucket_cap_mb=BUCKET_CAP_MB):
-        model = Net()
+    def fit(callbacks, epochs, ckpt_path=None, checkpoint=False, bucket_cap_mb=BUCKET_CAP_MB, model=None):
+        model = model or Net()
         trainer = L.Trainer(
             accelerator="cpu", devices=WORLD, max_epochs=epochs, callbacks=callbacks,
             strategy=DDPStrategy(bucket_cap_mb=bucket_cap_mb, process_group_backend="gloo"),
@@ -125,6 +125,20 @@ def _lightning_job(out: Path) -> None:
     k1 = GradsyncHook("covap", ratio=1)
     result["k1"] = fit([k1], 2)
     result["k1_stats"] = k1.stats()
+
+    # the same module fitted twice with ratio=auto (whose state puts a timing forward hook on the
+    # module): forward hooks on the module during each fit and after both
+    class HookCount(Callback):
+        def __init__(self):
+            self.counts: list[int] = []
+
+        def on_train_start(self, trainer, pl_module):
+            self.counts.append(len(pl_module._forward_hooks))
+
+    twice, count = Net(), HookCount()
+    for _ in range(2):
+        fit([GradsyncHook("covap", ratio="auto"), count], 1, model=twice)
+    result["forward_hooks"] = count.counts + [len(twice._forward_hooks)]
 
     # Uninterrupted K=4 run of 3 epochs, checkpointing after every epoch, then a resume from the end of
     # epoch 2 (12 iterations) with a fresh model, trainer and DDP; with several DDP buckets ("" keys)
@@ -262,6 +276,15 @@ def test_lightning_covap_k1_matches_plain_ddp(lightning_runs):
         # the hook really ran (on CPU, where DDPStrategy(ddp_comm_hook=...) registers nothing)
         assert r["k1_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
         assert r["k1_stats"]["wire_bytes"] == r["k1_stats"]["dense_wire_bytes"] + VOTE * (2 * STEPS_PER_EPOCH - WARMUP)
+
+
+def test_lightning_fit_twice_leaves_one_forward_hook(lightning_runs):
+    """Each fit built a state that hooked the module's forward and never removed it: a second fit
+    of the same module ran two timing hooks ([1, 2, 2]); the callback now removes its hook when
+    the fit ends."""
+    _, ranks = lightning_runs
+    for r in ranks:
+        assert r["forward_hooks"] == [1, 1, 0]
 
 
 def test_lightning_covap_k4_sends_a_quarter(lightning_runs):

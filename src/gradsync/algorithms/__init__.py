@@ -79,7 +79,9 @@ def build_hook(name: str, process_group: Any = None, model: Any = None, *, seed:
         process_group: group of the hook's collectives (``None`` = default group).
         model: the module DDP wraps (lets residuals follow parameters across bucket rebuilds).
         seed, batch_size, steps_per_epoch: see :class:`BuildContext`.
-        options: the algorithm's options (see ``REGISTRY[name].options``).
+        options: the algorithm's options (see ``REGISTRY[name].options``). COVAP's ``ratio="auto"``
+            calibrates K from the hook's own first iterations (pass ``model`` so the backward time
+            starts at the end of its forward) and adapts it every ``adapt_every`` (default 20) steps.
 
     Raises:
         ValueError: for an unknown name, an algorithm that is not a communication hook (``dear``,

@@ -21,8 +21,14 @@ so every rank selects the same elements and a plain all-reduce still works.
   as the schedule of a :class:`~gradsync.feedback.residual.ResidualMemory`); the selected shard of ``x``
   is all-reduced (averaged), everything unsent stays in ``e``. Unsent positions have zero gradient this
   step; momentum and weight decay still apply (a deliberate choice, as in the reference code).
-* K from the CCR: with ``ratio="auto"`` the synchroniser measures the communication-to-computation
-  ratio and :meth:`CovapFilter.calibrate` sets K = ceil(CCR) in [1, 32].
+* K from the CCR: with ``ratio="auto"`` K = ceil(CCR) in [1, ``max_ratio``]. ``gradsync train`` and
+  ``bench`` measure the communication-to-computation ratio before training and call
+  :meth:`CovapFilter.calibrate`; wherever else the hook runs (``build_hook``, ``gradsync.wrap``, the
+  integrations) it calibrates itself from its own first iterations: it times the backward pass and
+  its collectives (the dense start-up all-reduces and K = 1 iterations, :mod:`.covap_adapt`), and at
+  iteration ``max(start_iter, 1 + AUTO_CALIBRATION_STEPS)`` every rank takes the same K from one
+  all-reduce issued in the hook body. ``auto`` then keeps following the network every
+  ``adapt_every`` (default :data:`AUTO_ADAPT_EVERY`) steps.
 * Compression starts at ``start_iter`` (default 2), after DDP's bucket rebuild, like PowerSGD's
   ``start_powerSGD_iter``; the bucket layout is recorded during the dense iterations before it. A
   state restored from a checkpoint into a fresh DDP does not wait for DDP to rebuild its
@@ -36,7 +42,7 @@ DDP hook here and DeAR's pipeline (:mod:`gradsync.algorithms.dear_covap`).
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
@@ -49,7 +55,7 @@ from ..feedback.residual import ResidualMemory, _is_named, bucket_layout, parame
 from ..options import AUTO, Options, option
 from ..validation import check_float, check_int
 from .base import HookState
-from .covap_adapt import CommTimer, RatioAdapter
+from .covap_adapt import CommTimer, RatioAdapter, StepTiming
 from .spec import hook_algorithm
 
 log = logging.getLogger(__name__)
@@ -57,9 +63,12 @@ log = logging.getLogger(__name__)
 #: ``cast`` values and the wire dtypes they select.
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 CASTS = tuple(CAST_DTYPES)
-#: ``adapt_every`` that ``gradsync train``/``bench`` use with ``--ratio auto`` (the library's default is 0):
-#: one 4-number all-reduce every 20 steps.
+#: ``adapt_every`` of ``ratio="auto"`` unless given (a fixed ratio defaults to 0, K fixed): one
+#: 4-number all-reduce every 20 steps.
 AUTO_ADAPT_EVERY = 20
+#: Timed iterations a self-calibrating ``auto`` state averages (median) before its first choice of K:
+#: iterations 1.. (iteration 0 runs before DDP's bucket rebuild and opens the connections).
+AUTO_CALIBRATION_STEPS = 3
 
 
 def cast_dtype(cast: Optional[str]) -> Optional[torch.dtype]:
@@ -82,8 +91,9 @@ class CovapOptions(Options):
     OWNER = "covap"
     ratio: Union[int, str] = option(3, "COVAP compression ratio K: each gradient element is sent once every "
                                     "K iterations; 'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
-    adapt_every: Optional[int] = option(0, "re-choose K from the hook's own timing of its collectives every this "
-                                        "many steps (0: K fixed)", low=0, high=1_000_000, units="steps")
+    adapt_every: Optional[int] = option(None, "re-choose K from the hook's own timing of its collectives every "
+                                        "this many steps (0: K fixed; default 20 with ratio 'auto', else 0)",
+                                        low=0, high=1_000_000, units="steps")
     cast: Optional[str] = option(None, "send the selected shard as fp16 or bf16 (rounding error kept in the "
                                  "error-feedback residual); default: the bucket's dtype", choices=CASTS)
     max_ratio: int = option(MAX_RATIO, "largest K that 'auto' and adapt_every may choose (a large K hides the "
@@ -190,6 +200,13 @@ class CovapFilter:
         self.memory.store(key, x)
         return shard, c, values
 
+    def residuals_to(self, device: torch.device) -> None:
+        """Move the residuals to ``device`` as float32 (a state restored on the CPU meets CUDA buckets)."""
+        memory = self.memory
+        for k, e in memory.residuals.items():
+            if e.device != device or e.dtype != torch.float32:
+                memory.residuals[k] = e.to(device=device, dtype=torch.float32)
+
     def config(self) -> dict[str, Any]:
         return {"ratio": AUTO if self.needs_ccr else self.ratio, "lam0": self.discount.lam0,
                 "ramp_steps": self.discount.ramp_steps, "max_ratio": self.max_ratio}
@@ -234,8 +251,10 @@ class CovapState(HookState):
             follow parameters when a restored state meets a differently bucketed DDP; with
             ``adapt_every`` the end of its forward pass starts the backward timing.
         adapt_every: re-choose K every this many compressed steps from the hook's timing of its
-            own collectives (:mod:`gradsync.algorithms.covap_adapt`); 0 or ``None`` (default):
-            K stays fixed. Every rank switches K at the same step boundary; residuals are kept.
+            own collectives (:mod:`gradsync.algorithms.covap_adapt`); 0: K stays fixed; ``None``
+            (default): :data:`AUTO_ADAPT_EVERY` with ``ratio="auto"``, else 0. Every rank switches K
+            at the same step boundary; residuals are kept. With ``ratio="auto"`` the state also
+            calibrates K itself from its first iterations unless :meth:`calibrate` is called first.
         cast: ``"fp16"``, ``"bf16"`` or ``None`` (default: the bucket's dtype): the selected shard
             is divided by the world size in float32, then cast and all-reduced (summed) in that
             dtype, as torch's ``fp16_compress_hook``; the rounding error of the cast stays in the
@@ -252,7 +271,11 @@ class CovapState(HookState):
             dense start-up iterations.
         remapped_buckets: buckets compressed through the recorded layout after a restore, before
             DDP's bucket rebuild.
-        adapter: the :class:`~gradsync.algorithms.covap_adapt.RatioAdapter` (``None`` when K is fixed).
+        bucket_warning: the warning of :func:`~gradsync.profiler.ccr.bucket_overlap_warning` when the
+            layout recorded at start-up has too few buckets to overlap with the backward pass (also
+            logged once, on rank 0, and in :meth:`stats`), else ``None``.
+        adapter: the :class:`~gradsync.algorithms.covap_adapt.RatioAdapter` (``None`` when K is fixed
+            and not ``"auto"``).
         cast_dtype: the wire dtype selected by ``cast`` (``None``: the bucket's).
 
     Raises:
@@ -264,11 +287,14 @@ class CovapState(HookState):
     timer: Any = None
     cast: Optional[str] = None
     cast_dtype: Optional[torch.dtype] = None
+    bucket_warning: Optional[str] = None
     _boundary_iter = -1
+    _forward_handle = None
+    _wire_scale = 1.0
 
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
-                 model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = 0,
+                 model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = None,
                  cast: Optional[str] = None, hysteresis: float = 0.25, timer: Any = None,
                  max_ratio: int = MAX_RATIO):
         super().__init__(process_group)
@@ -276,12 +302,17 @@ class CovapState(HookState):
         self.start_iter = check_int("start_iter", start_iter, 2)
         self.cast_dtype = cast_dtype(cast)
         self.cast = cast
-        adapt_every = check_int("adapt_every", 0 if adapt_every is None else adapt_every, 0)
-        self.adapter = RatioAdapter(adapt_every, hysteresis, self.filter.max_ratio) if adapt_every else None
+        if adapt_every is None:
+            adapt_every = AUTO_ADAPT_EVERY if self.filter.auto else 0
+        adapt_every = check_int("adapt_every", adapt_every, 0)
+        self.adapter = (RatioAdapter(adapt_every, hysteresis, self.filter.max_ratio)
+                        if adapt_every or self.filter.auto else None)
         self.timer = timer if timer is not None else (CommTimer() if self.adapter is not None else None)
+        self._forward_handle = None
         if self.timer is not None and model is not None and timer is None:
-            model.register_forward_hook(self.timer.forward_done)
+            self._forward_handle = model.register_forward_hook(self.timer.forward_done)
         self._boundary_iter = -1
+        self._wire_scale = 1.0
         self.param_names = parameter_names(model) if model is not None else None
         self.layouts: dict[int, Any] = {}
         self._awaiting_rebuild = False
@@ -297,7 +328,23 @@ class CovapState(HookState):
         return self.filter.needs_ccr
 
     def calibrate(self, ccr: float) -> dict[str, Any]:
+        """Set K from the all-reduced CCR (see :meth:`CovapFilter.calibrate`); the state then does
+        not calibrate itself, and the adaptation window restarts."""
+        if self.adapter is not None:
+            self.adapter.window.clear()
         return self.filter.calibrate(ccr)
+
+    @property
+    def calibration_iter(self) -> int:
+        """The iteration at whose first hook call a self-calibrating ``auto`` state chooses K."""
+        return max(self.start_iter, 1 + AUTO_CALIBRATION_STEPS)
+
+    def close(self) -> None:
+        """Remove the forward hook the state put on ``model`` (idempotent); the state stays usable
+        (the backward time then starts at the first bucket)."""
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
 
     def set_ratio(self, ratio: int) -> None:
         """Change K between iterations (same value on every rank); residuals are kept."""
@@ -311,17 +358,37 @@ class CovapState(HookState):
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
         return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
 
-    def step_boundary(self, device: torch.device) -> None:
-        """At the first hook call of an iteration (every bucket of the previous one has completed):
-        close the previous step's timing and, every ``adapt_every`` compressed steps, re-choose K on
-        every rank together (a blocking MAX all-reduce issued here, in the hook body)."""
+    def _observed(self, step: int, timing: Optional[StepTiming]) -> Optional[StepTiming]:
+        """Step ``step``'s timing as the adaptation window takes it, or ``None``: compressed steps
+        always; while ``auto`` waits for its CCR also the dense start-up steps after DDP's bucket
+        rebuild (step >= 1), their communication scaled to the wire dtype of ``cast``."""
+        if timing is None or step < 1:
+            return None
+        if step >= self.start_iter:
+            return timing
+        if self.needs_ccr:
+            return replace(timing, comm_s=timing.comm_s * self._wire_scale)
+        return None
+
+    def step_boundary(self, buf: torch.Tensor) -> None:
+        """At the first hook call of an iteration (every bucket of the previous one has completed;
+        ``buf`` is that call's bucket): close the previous step's timing; every ``adapt_every``
+        compressed steps (and once at :attr:`calibration_iter` while ``auto`` waits for its CCR),
+        re-choose K on every rank together (a blocking MAX all-reduce issued here, in the hook body)."""
         t = self.iteration
         if self.adapter is None or self._boundary_iter == t:
             return
         self._boundary_iter = t
-        timing = self.timer.finish_step()
-        if t - 1 >= self.start_iter:
-            self.adapter.observe(timing)
+        if self.cast_dtype is not None:
+            self._wire_scale = torch.finfo(self.cast_dtype).bits / 8 / buf.element_size()
+        observed = self._observed(t - 1, self.timer.finish_step())
+        if observed is not None:
+            self.adapter.observe(observed)
+        device = buf.device
+        if self.needs_ccr:
+            if t >= self.calibration_iter:
+                self._calibrate_from_window(device)
+            return
         if t > self.start_iter and self.adapter.due(t - self.start_iter):
             new = self.adapter.step_boundary(self.filter.ratio, self.process_group, device)
             if new != self.filter.ratio:
@@ -338,6 +405,28 @@ class CovapState(HookState):
 
     def _restore(self, saved: Any) -> None:
         self.filter.memory.restore(saved)
+
+    def check_buckets(self, element_size: int) -> Optional[str]:
+        """Once the start-up iterations have recorded DDP's layout: set :attr:`bucket_warning` (and
+        log it on rank 0) when there are too few buckets for K (``auto`` before calibration: K = 1)
+        to overlap with the backward pass. Returns the warning or ``None``."""
+        from ..profiler.ccr import bucket_overlap_warning
+
+        msg = bucket_overlap_warning(self.recorded_numels(), element_size, 1 if self.needs_ccr else self.ratio)
+        if msg is not None and msg != self.bucket_warning and dist.get_rank(self.process_group) == 0:
+            log.warning("COVAP: %s", msg)
+        self.bucket_warning = msg
+        return msg
+
+    def _calibrate_from_window(self, device: torch.device) -> None:
+        """``auto``'s first K, from the start-up window, identical on every rank (one all-reduce);
+        a window without information (no backward time seen) retries at the next iteration."""
+        self.adapter.step_boundary(self.filter.ratio, self.process_group, device, initial=True)
+        ccr = self.adapter.last["ccr"]
+        if ccr >= 0:
+            self.filter.calibrate(ccr)
+            log.info("COVAP ratio=auto: iteration %d, CCR %.2f from the hook's own timing: K = %d",
+                     self.iteration, ccr, self.filter.ratio)
 
     def layout_of(self, bucket: dist.GradBucket) -> Any:
         return bucket_layout(bucket, self.param_names)
@@ -367,6 +456,8 @@ class CovapState(HookState):
         s.update(self.filter.stats())
         s["ef_discount"] = self.filter.discount(max(0, self.iteration - self.start_iter))
         s["remapped_buckets"] = self.remapped_buckets
+        if self.bucket_warning is not None:
+            s["bucket_warning"] = self.bucket_warning
         if self.adapter is not None:
             s["covap_k_changes"] = self.adapter.changes
             s.update({"covap_" + k: v for k, v in self.adapter.last.items()})
@@ -378,7 +469,16 @@ class CovapState(HookState):
         out = {**super().state_dict(), "layouts": dict(self.layouts), "filter": self.filter.state_dict()}
         if self.adapter is not None:
             out["adapter"] = self.adapter.state_dict()
+            if self._boundary_iter != self.iteration:  # the last step is still open: the window holds it
+                pending = self._observed(self.iteration - 1, self.timer.peek_step())
+                if pending is not None:
+                    out["adapter"]["window"].append(astuple(pending))
         return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        d = super().__getstate__()
+        d["_forward_handle"] = None  # a hook handle belongs to this process's module
+        return d
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A fresh DDP has not rebuilt its buckets yet: until its
@@ -391,8 +491,27 @@ class CovapState(HookState):
         self.filter.load_state_dict(state["filter"])
         if self.adapter is not None and "adapter" in state:
             self.adapter.load_state_dict(state["adapter"])
+        if self.timer is not None:
+            self.timer.discard_step()
         self._boundary_iter = -1
         self._awaiting_rebuild = True
+
+
+def _timed_dense(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Dense all-reduce of ``bucket`` (a start-up iteration), timed when the state keeps a timer."""
+    buf = bucket.buffer()
+    timer = state.timer
+    ident = timer.launched(buf.numel()) if timer is not None else None
+    fut = dense_allreduce(buf, state.process_group, state.count_collective)
+    state.end_bucket(bucket)
+    if ident is None:
+        return fut
+
+    def done(f: torch.futures.Future) -> torch.Tensor:
+        timer.completed(ident)
+        return f.value()
+
+    return fut.then(done)
 
 
 def _completed(buf: torch.Tensor) -> torch.futures.Future:
@@ -429,32 +548,31 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     layout = state.layout_of(bucket)
     timer = state.timer
     if timer is not None:
-        state.step_boundary(buf.device)
-        timer.bucket_ready(buf.numel())
+        state.step_boundary(buf)
+        timer.bucket_ready(buf.numel(), buf.device)
     if t < state.start_iter:
         if getattr(state, "_layout_iter", None) != t:  # keep only this iteration's layout (DDP may
             state.layouts.clear()                      # rebuild into fewer buckets)
             state._param_index = None
             state._layout_iter = t
         state.layouts[index] = layout
-        fut = dense_allreduce(buf, state.process_group, state.count_collective)
-        state.end_bucket(bucket)
-        return fut
+        if bucket.is_last() and t == state.start_iter - 1:  # the layout compression will run on
+            state.check_buckets(buf.element_size())
+        return _timed_dense(state, bucket)
 
     if state.layouts.get(index) != layout:
         if not state._awaiting_rebuild:
             raise RuntimeError(f"COVAP bucket {index} holds {buf.numel()} elements in a layout that differs "
                                f"from the one recorded during warm-up; the bucket layout changed")
         state.filter.plan_for(state.recorded_numels())
+        state.filter.residuals_to(buf.device)
         if state.param_names is not None and _is_named(layout) and all(
                 name in state.param_index() for name, _ in layout):
             return _remapped_bucket(state, bucket, layout)
         log.warning("COVAP: DDP has not rebuilt its buckets since the state was restored and the state has no "
                     "parameter names (pass model=); bucket %d is all-reduced densely this iteration", index)
         state.finite_guard.begin(t, state._snapshot)
-        fut = dense_allreduce(buf, state.process_group, state.count_collective)
-        state.end_bucket(bucket)
-        return _decide(state, bucket, fut)
+        return _decide(state, bucket, _timed_dense(state, bucket))
     if bucket.is_last():
         state._awaiting_rebuild = False
 

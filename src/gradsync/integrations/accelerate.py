@@ -56,7 +56,9 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
         algorithm: a gradsync communication-hook algorithm (``covap``, ``topk``, ...; see
             ``gradsync.algorithms.REGISTRY``); DeAR is not a hook and is refused.
         process_group: group of the hook's collectives (``None`` = the default group).
-        options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32]).
+        options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
+            ``"auto"``: the hook calibrates K from its own first iterations and keeps adapting it;
+            see :func:`gradsync.integrations.build_state_and_hook`).
 
     Returns:
         The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,

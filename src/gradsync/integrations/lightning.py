@@ -25,7 +25,8 @@ residuals differ between ranks) into the checkpoint rank 0 writes, under
 size and algorithm.
 
 Each ``trainer.fit`` builds a fresh hook state (Lightning wraps the model in a new DDP per fit), unless
-it resumes from a checkpoint.
+it resumes from a checkpoint; what a state hooked onto the module (COVAP's timing forward hook) is
+removed when the fit ends (``teardown``), so fitting the same module again does not stack hooks.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class GradsyncHook(Callback):
         algorithm: a gradsync communication-hook algorithm (``covap``, ``topk``, ``powersgd``, ...; see
             ``gradsync.algorithms.REGISTRY``). DeAR is not a hook and is refused.
         process_group: group of the hook's collectives (``None`` = the default group Lightning set up).
-        options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32]),
+        options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
+            ``"auto"``: calibrated by the hook from its own first iterations, then adapted),
             ``density=0.01`` (top-k). Validated when the fit starts (``setup``), on every rank.
 
     Attributes:
@@ -142,6 +144,13 @@ class GradsyncHook(Callback):
         """Load a checkpoint restored after ``on_fit_start`` (strategies with
         ``restore_checkpoint_after_setup``); runs before the first training step."""
         self._apply_pending(trainer)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """At the end of a fit (also one that failed): remove what the state hooked onto
+        ``pl_module`` (COVAP's forward hook for its timing), so fitting the same module again adds
+        no second hook. The state stays readable (``stats()``)."""
+        if stage == "fit" and self.state is not None and hasattr(self.state, "close"):
+            self.state.close()
 
     def stats(self) -> dict[str, Any]:
         """``state.stats()`` of the current fit (``{}`` when no hook is registered)."""

@@ -37,6 +37,10 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("validation bits per character", f"{s['bits_per_char']:.3f}"))
     if "ccr" in s:
         rows.append(("measured CCR (auto ratio)", f"{s['ccr']:.3f}"))
+    if "bucket_cap_mb" in s:
+        rows.append(("DDP bucket_cap_mb", f"{s['bucket_cap_mb']:g} MB"))
+    if "bucket_warning" in s:
+        rows.append(("warning", s["bucket_warning"]))
     return rows
 
 

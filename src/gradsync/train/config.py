@@ -4,10 +4,10 @@ the command-line flags are generated (:func:`gradsync.options.add_arguments`).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..algorithms import REGISTRY, make_options
-from ..options import Options, option
+from ..options import AUTO, Options, option
 from ..workloads import WORKLOADS, get_workload
 
 
@@ -40,6 +40,10 @@ class TrainConfig(SharedConfig):
     """
 
     algorithm: str = option("allreduce", "gradient-synchronisation algorithm", choices=sorted(REGISTRY))
+    bucket_cap_mb: Union[float, str] = option(AUTO, "DDP bucket size; auto: the model's gradient size / 16, "
+                                              "clamped to [0.01, 25] (at least 8 buckets, so compression can "
+                                              "overlap with the backward pass)", low=0.0, high=1024.0,
+                                              low_open=True, units="MB")
     workers: int = option(2, "local ranks on 127.0.0.1 (ignored under torchrun, which sets the world size)",
                           low=1, high=64)
     epochs: Optional[int] = option(None, "epochs; default: the workload's", low=1, high=10_000)

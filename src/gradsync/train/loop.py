@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -15,7 +16,7 @@ from ..algorithms import BuildContext, Precision, build
 from ..algorithms.base import compression_ratio
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
-from ..profiler.ccr import measure_ccr
+from ..profiler.ccr import bucket_overlap_warning, measure_ccr, resolve_bucket_cap_mb
 from ..profiler.compute import time_compute
 from ..workloads import get_workload
 from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
@@ -72,13 +73,15 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     compute = time_compute(model, warm, loss_fn, make_optimizer, cfg.compute_steps,
                            autocast=lambda: precision.autocast(device))
 
-    ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb, device=device,
+    bucket_cap_mb = resolve_bucket_cap_mb(cfg.bucket_cap_mb, model)
+    ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=bucket_cap_mb, device=device,
                        seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch,
                        scaler=precision.scaler)
     dp = build(cfg.algorithm, ctx, cfg.options)
     opt = dp.optimizer
     check_config_agreement(dp.config())
     dp.warm_up(warm, loss_fn)
+    bucket_warning = _bucket_warning(cfg.algorithm, dp, rank)
     ccr = None
     if dp.needs_ccr:
         ccr = measure_ccr(dp.bucket_numels(), compute.backward_s, dtype=dp.wire_dtype or torch.float32)
@@ -200,7 +203,29 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s)
     if "ratio" in stats:
         summary["ratio"] = stats["ratio"]
+    summary["bucket_cap_mb"] = bucket_cap_mb
+    if bucket_warning is not None:
+        summary["bucket_warning"] = bucket_warning
     if rank != 0:
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
             "iterations": iterations, "epochs": epoch_log}
+
+
+def _bucket_warning(algorithm: str, dp: Any, rank: int) -> str | None:
+    """The warning when DDP's buckets (after the warm-up's rebuild) are too few for ``algorithm``'s
+    compression to overlap with the backward pass (the hook's own, e.g. COVAP's, else
+    :func:`~gradsync.profiler.ccr.bucket_overlap_warning`; logged once on rank 0); ``None`` for
+    dense all-reduce, DeAR (no DDP buckets) and one-bucket algorithms."""
+    from ..algorithms import get
+    from ..algorithms.synchroniser import HookSynchroniser
+
+    own = dp.stats().get("bucket_warning")
+    if own is not None or algorithm == "allreduce" or get(algorithm).single_bucket \
+            or not isinstance(dp, HookSynchroniser):
+        return own
+    itemsize = next(p.element_size() for p in dp.module.parameters() if p.requires_grad)
+    msg = bucket_overlap_warning(dp.bucket_numels(), itemsize)
+    if msg is not None and rank == 0:
+        logging.getLogger(__name__).warning("%s: %s", algorithm, msg)
+    return msg
