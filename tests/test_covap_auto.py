@@ -81,6 +81,20 @@ def test_wrap_calibrates_auto_too():
     assert r0 == r1 and r0[0] and r0[1] == ratio_for_ccr(r0[2])
 
 
+def _wrap_dear_covap_auto(rank, world):
+    import gradsync
+
+    module = make_model()
+    with pytest.raises(ValueError, match="ratio='auto' of dear-covap needs the measured"):
+        gradsync.wrap(module, torch.optim.SGD(module.parameters(), lr=0.01), "dear-covap", ratio="auto")
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+
+
+def test_wrap_refuses_auto_where_it_cannot_calibrate():
+    """dear-covap's ``auto`` needs a CCR that DeAR does not measure: wrap says so (and leaves no hook)."""
+    assert run_ranks(_wrap_dear_covap_auto, 2, timeout=120) == [0, 0]
+
+
 def test_explicit_calibration_is_kept():
     """train/bench calibrate after their warm-up: the hook must not calibrate a second time."""
     results = run_ranks(_auto_run, 2, 8, 2.5, timeout=120)

@@ -26,7 +26,8 @@ def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_c
     ``scaler.step(optimizer)`` as with plain DDP).
 
     Raises:
-        ValueError: for an unknown ``algorithm``, an option it does not take or out of range, a
+        ValueError: for an unknown ``algorithm``, an option it does not take or out of range,
+            ``ratio="auto"`` for ``dear-covap`` (a hook's ``auto`` calibrates itself; DeAR's does not), a
             ``model`` that is already wrapped (``DistributedDataParallel`` or DeAR), or a ``scaler``
             that is not a ``torch.amp.GradScaler`` or ``None``.
     """
@@ -47,6 +48,11 @@ def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_c
     ctx = BuildContext(model=model, make_optimizer=lambda params: optimizer, process_group=process_group,
                        bucket_cap_mb=bucket_cap_mb, device=device, scaler=scaler)
     sync = build(algorithm, ctx, options)
+    if not isinstance(sync, HookSynchroniser) and sync.needs_ccr:
+        sync.close()
+        raise ValueError(f"ratio='auto' of {algorithm} needs the measured communication-to-computation ratio, "
+                         "which the DeAR pipeline does not measure by itself: pass a fixed ratio (e.g. ratio=2), "
+                         "or let gradsync train/bench measure it (--ratio auto there)")
     if isinstance(sync, HookSynchroniser):
         sync.wrapper.gradsync_state = sync.state
     return sync.wrapper
