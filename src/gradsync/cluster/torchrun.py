@@ -11,7 +11,8 @@ and every collective cross the shaped links exactly as between real nodes. Two f
 only because the emulated hosts share one hostname that resolves to 127.0.0.1: ``--local-addr``
 (otherwise the agents advertise the hostname, and the workers' ``MASTER_ADDR`` is 127.0.0.1) and
 ``--rdzv-conf is_host=1`` on host 0 (c10d cannot tell from the address which agent hosts its store).
-On real nodes with resolvable hostnames neither is required.
+On real nodes with resolvable hostnames neither is required. With ``--max-restarts``, set
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` on every node (:data:`ELASTIC_ENV`, see there why).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..validation import check_int
+
+
+#: Environment of every agent. With c10d rendezvous torchrun (2.13) lets the workers share the agents'
+#: TCPStore across rendezvous rounds without a per-round prefix, so after a restart a worker can read
+#: the previous round's address of a peer (Gloo: "connection refused", another restart; seen taking
+#: 3 restarts for one killed worker). Opting out of the sharing gives every round a store of its own.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,8 @@ class TorchrunNodes:
             raise ValueError(f"args must be one list or one list per host ({cluster.hosts}), got {len(per_host)}")
         procs = []
         for node in range(cluster.hosts):
-            node_env = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=cluster.ifname(node))
+            node_env = dict(os.environ if env is None else env, GLOO_SOCKET_IFNAME=cluster.ifname(node),
+                            **ELASTIC_ENV)
             kwargs = {k: (v(node) if callable(v) else v) for k, v in popen.items()}
             procs.append(cluster.popen(node, self.command(cluster, node, module, per_host[node]), env=node_env,
                                        **kwargs))
