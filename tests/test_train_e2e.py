@@ -76,6 +76,29 @@ def test_missing_dataset_says_how_to_get_it(tmp_path):
     assert "apt-get install dataset-fashion-mnist" in proc.stderr and "--data-dir" in proc.stderr
 
 
+def _damaged_copy(tmp_path, name, keep):
+    """A --data-dir with the installed Fashion-MNIST files, ``name`` cut to its first ``keep`` bytes."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in fashion_mnist.DEFAULT_DIR.iterdir():
+        if f.name == name:
+            (d / name).write_bytes(f.read_bytes()[:keep])
+        else:
+            (d / f.name).symlink_to(f)
+    return d
+
+
+@pytest.mark.parametrize("keep", [2000, 9])
+def test_truncated_dataset_file_is_a_one_line_error_naming_it(tmp_path, keep):
+    name = "t10k-labels-idx1-ubyte.gz"
+    d = _damaged_copy(tmp_path, name, keep)
+    proc = subprocess.run(CLI + ["train", "--data-dir", str(d), "--max-steps", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"gradsync: error: {d / name}: truncated or damaged gzip file"), proc.stderr
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"workers": 0}, "workers"), ({"epochs": 0}, "epochs"), ({"lr": -1.0}, "lr"),
     ({"algorithm": "nope"}, "algorithm"), ({"bucket_cap_mb": 0}, "bucket_cap_mb"),
