@@ -114,7 +114,8 @@ def test_manifest_lists_every_rank_file_and_is_written_after_them_and_removed_be
     # the re-save: the old manifest goes before any rank replaces its file, the new one comes after both
     resave = [e for e in second if "returned" not in e]
     assert resave[0] == "0 removed manifest.json", events
-    assert sorted(resave[1:3]) == ["0 wrote rank0.pt", "1 wrote rank1.pt"] and resave[3] == "0 wrote manifest.json", events
+    assert sorted(resave[1:3]) == ["0 wrote rank0.pt", "1 wrote rank1.pt"], events
+    assert resave[3] == "0 wrote manifest.json", events
     # every rank returns only once the manifest is written
     assert events.index("1 returned") > events.index("0 wrote manifest.json")
 

@@ -323,7 +323,8 @@ def _warn(msg: str) -> None:
     print(f"gradsync: warning: {msg}", file=sys.stderr, flush=True)
 
 
-def verified_checkpoints(root: str | os.PathLike, ranks: Any = None) -> tuple[dict[str, CheckpointInfo], list[str]]:
+def verified_checkpoints(root: str | os.PathLike,
+                         ranks: Any = None) -> tuple[dict[str, CheckpointInfo], list[str]]:
     """The checkpoints under ``root`` whose files of ``ranks`` (default: all) verify, by directory
     name, and one message per ``epoch*``/``step*`` directory that does not (other entries are ignored)."""
     root = Path(root)

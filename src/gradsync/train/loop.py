@@ -238,6 +238,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
         summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s)
     if "ratio" in stats:
         summary["ratio"] = stats["ratio"]
+    dp.close()  # hooks and the algorithm's own process groups go before the default group (on every rank)
     if rank != 0:
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,
