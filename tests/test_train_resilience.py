@@ -141,3 +141,33 @@ def test_a_longer_run_continues_a_finished_one_with_the_schedule_over_the_new_le
     assert at_end.returncode == 1
     assert ("the checkpoint is at step 4, and this run ends at step 4 (--max-steps/--epochs): nothing left "
             "to train") in at_end.stderr, at_end.stderr
+
+
+def test_continue_schedule_redefines_the_one_cycle_over_the_new_length():
+    """--epochs 2 -> 3 (or any new length): the rates from the resumed step on are the new length's."""
+    import torch
+
+    from gradsync.train.loop import continue_schedule
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+
+    def make(total):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total, pct_start=0.15,
+                                                   anneal_strategy="cos")
+
+    def rates(sched, n):
+        out = []
+        for _ in range(n):
+            opt.step()
+            sched.step()
+            out.append((sched.get_last_lr()[0], opt.param_groups[0]["momentum"]))
+        return out
+
+    want = rates(make(30), 29)[20:]  # after steps 21-29 of an uninterrupted 30-step schedule
+    assert continue_schedule(make, 20, 20, 10) is None, "same length: the restored scheduler goes on"
+    got = rates(continue_schedule(make, 20, 30, 20), 9)
+    assert got == want
+    with pytest.raises(ValueError, match="checkpoint is at step 20, and this run ends at step 20"):
+        continue_schedule(make, 20, 20, 20)
+    with pytest.raises(ValueError, match="nothing left to train"):
+        continue_schedule(make, 30, 10, 20)
