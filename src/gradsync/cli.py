@@ -157,8 +157,6 @@ def _train(args: argparse.Namespace) -> int:
     if result is None:
         return 0
     result["network"] = result["summary"]["network"] = label
-    if "backend" in result["summary"]:  # the summary table's network row says which backend and why
-        result["summary"]["network"] = f"{label}; process group: {result['summary']['backend']}"
     if changes is not None:
         result["bandwidth_changes"] = changes
     print_summary(result)
