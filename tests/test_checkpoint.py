@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from distributed import run_ranks
+from distributed import RankFailed, run_ranks
 from every_algorithm import batches, build_small
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
@@ -40,10 +40,10 @@ def test_rank_file_is_written_atomically_and_fsynced(tmp_path, monkeypatch):
     path = tmp_path / "ck" / "rank3.pt"
     assert entry == {"name": "rank3.pt", "bytes": path.stat().st_size,
                      "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-    # the temporary file is fsynced before the rename, the directory after it
+    # the new directory is fsynced in its parent; the temporary file before the rename, the directory after it
     (tmp, dst), = replaced
     assert dst == str(path) and tmp != dst and os.path.dirname(tmp) == str(path.parent)
-    assert synced == [tmp, str(path.parent)]
+    assert synced == [str(tmp_path), tmp, str(path.parent)]
     assert os.listdir(path.parent) == ["rank3.pt"], "no temporary file left behind"
     back = torch.load(path, weights_only=True)
     assert torch.equal(back["w"], _payload()["w"]) and back["cfg"] == _payload()["cfg"]
@@ -65,16 +65,41 @@ def test_crash_before_rename_keeps_the_old_file(tmp_path, monkeypatch):
 # -------------------------------------------------------------------------------------- manifest
 
 
-def _save_two_ranks(rank, world, directory):
-    if rank == 1:
-        time.sleep(1.0)  # rank 0 must wait for this file before writing the manifest
-    C.save_checkpoint(directory, {"rank": rank, "x": torch.full((4,), float(rank))}, step=12, epoch=1,
-                      algorithm="covap")
+def _logged(log, rank):
+    """Append every rename and unlink this process does (``rank name``) to the file ``log``:
+    one shared, append-only record of the order in which the ranks changed the checkpoint."""
+    real_replace, real_unlink = os.replace, os.unlink
+
+    def note(what, path):
+        with open(log, "a") as f:
+            f.write(f"{rank} {what} {os.path.basename(path)}\n")
+
+    def replace(a, b):
+        real_replace(a, b)
+        note("wrote", b)
+
+    def unlink(path, *args, **kwargs):
+        real_unlink(path, *args, **kwargs)
+        note("removed", path)
+
+    os.replace, os.unlink = replace, unlink
+
+
+def _save_twice(rank, world, directory, log):
+    _logged(log, rank)
+    for attempt in range(2):
+        if rank == 1 - attempt:
+            time.sleep(1.0)  # the first save: rank 1 is late; the re-save: rank 0 (which removes the manifest)
+        C.save_checkpoint(directory, {"rank": rank, "x": torch.full((4,), float(rank + attempt))}, step=12,
+                          epoch=1, algorithm="covap")
+        with open(log, "a") as f:
+            f.write(f"{rank} returned\n")
     return rank
 
 
-def test_manifest_lists_every_rank_file_and_is_written_last(tmp_path):
-    run_ranks(_save_two_ranks, 2, str(tmp_path / "step12"), timeout=90, pg_timeout=30)
+def test_manifest_lists_every_rank_file_and_is_written_after_them_and_removed_before_a_resave(tmp_path):
+    log = tmp_path / "log"
+    run_ranks(_save_twice, 2, str(tmp_path / "step12"), str(log), timeout=90, pg_timeout=30)
     d = tmp_path / "step12"
     info = C.read_checkpoint_info(d)
     assert (info.step, info.epoch, info.world_size, info.algorithm) == (12, 1, 2, "covap")
@@ -82,8 +107,17 @@ def test_manifest_lists_every_rank_file_and_is_written_last(tmp_path):
         data = (d / f"rank{r}.pt").read_bytes()
         assert info.files[r] == {"name": f"rank{r}.pt", "bytes": len(data),
                                  "sha256": hashlib.sha256(data).hexdigest()}
-        assert (d / C.MANIFEST).stat().st_mtime_ns >= (d / f"rank{r}.pt").stat().st_mtime_ns
-    assert C.load_checkpoint(d, 1, 2)["x"].tolist() == [1.0] * 4
+    assert C.load_checkpoint(d, 1, 2)["x"].tolist() == [2.0] * 4, "the re-saved file"
+    events = log.read_text().splitlines()
+    first, second = events[:events.index("0 returned")], events[events.index("0 returned"):]
+    assert sorted(first[:2]) == ["0 wrote rank0.pt", "1 wrote rank1.pt"] and first[2] == "0 wrote manifest.json"
+    # the re-save: the old manifest goes before any rank replaces its file, the new one comes after both
+    resave = [e for e in second if "returned" not in e]
+    assert resave[0] == "0 removed manifest.json", events
+    assert sorted(resave[1:3]) == ["0 wrote rank0.pt", "1 wrote rank1.pt"], events
+    assert resave[3] == "0 wrote manifest.json", events
+    # every rank returns only once the manifest is written
+    assert events.index("1 returned") > events.index("0 wrote manifest.json")
 
 
 def _write(root, name, step, ranks=2, manifest=True, created=None):
@@ -113,9 +147,115 @@ def test_latest_picks_newest_complete_and_skips_incomplete_with_warning(tmp_path
     err = capsys.readouterr().err
     assert "skipping incomplete checkpoint" in err
     assert "step8: no manifest.json" in err and "rank1.pt of rank 1 is missing" in err
-    assert "has 1" in err and "manifest says" in err
+    assert "step10: rank0.pt does not match its manifest" in err
     assert "notes" not in err
     assert C.latest_checkpoint(tmp_path / "absent") is None
+
+
+def test_an_old_manifest_does_not_vouch_for_a_replaced_file_of_the_same_size(tmp_path, capsys):
+    root = tmp_path / "ck"
+    _write(root, "step2", 2)
+    d = _write(root, "step4", 4)
+    size = (d / "rank1.pt").stat().st_size
+    C.save_rank_file(d, 1, {"r": 1, "step": 5})  # a crash during a re-save: new file, old manifest
+    assert (d / "rank1.pt").stat().st_size == size
+    info = C.latest_checkpoint(root)
+    assert info.path == root / "step2"
+    assert "skipping incomplete checkpoint" in capsys.readouterr().err
+    data = bytearray((root / "step2" / "rank0.pt").read_bytes())
+    data[-30] ^= 0x01  # one flipped bit, same size
+    (root / "step2" / "rank0.pt").write_bytes(bytes(data))
+    assert C.latest_checkpoint(root) is None
+    assert "step2: rank0.pt does not match its manifest" in capsys.readouterr().err
+
+
+def _kill_self_after(point, rank, when):
+    """SIGKILL this process right after the real ``point`` (``"replace"``: a rename; ``"manifest"``:
+    :func:`C.write_manifest` is entered, before it writes) once ``when(arg)`` holds."""
+    import signal
+
+    if point == "replace":
+        real = os.replace
+
+        def replace(a, b):
+            real(a, b)
+            if when(b):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        os.replace = replace
+    else:
+        real_manifest = C.write_manifest
+
+        def write_manifest(directory, *args, **kwargs):
+            if when(directory):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_manifest(directory, *args, **kwargs)
+
+        C.write_manifest = write_manifest
+
+
+def _save_steps(rank, world, roots, steps, crash=None):
+    """Save ``steps`` (checkpoint ``root/step{s}``, payload step s and this process's pid, so a
+    re-save differs from the first save but has its size) on every rank; ``crash``: ``(rank,
+    point, step)``: that rank kills itself at ``point`` of that step's checkpoint while the others
+    are still 5 s behind, and the launcher stops them (as if the machine went down)."""
+    if crash is not None and crash[0] == rank:
+        _kill_self_after(crash[1], rank, lambda p: f"step{crash[2]}" in str(p))
+    for s in steps:
+        if crash is not None and rank != crash[0] and s == crash[2]:
+            time.sleep(5.0)
+        C.save_checkpoint(C.step_dir(roots[rank], s), {"rank": rank, "step": s, "pid": os.getpid(),
+                                                       "w": torch.full((64,), s + 0.5)},
+                          step=s, epoch=0, algorithm="covap")
+    return rank
+
+
+def _resume_latest(rank, world, roots):
+    path = C.resolve_resume("latest", roots[rank], rank)
+    return None if path is None else (os.path.basename(path), C.load_checkpoint(path, rank, world)["step"])
+
+
+@pytest.mark.parametrize("crash, resumed", [((0, "manifest", 6), 4), ((1, "replace", 4), 2)],
+                         ids=["between-files-and-manifest", "during-a-resave"])
+def test_a_crash_while_saving_resumes_from_a_checkpoint_that_verifies(tmp_path, capfd, crash, resumed):
+    """A new checkpoint (step 6) cut off after its files, before its manifest, is skipped with a
+    warning; so is a re-save of step 4 (as a resumed run does) cut off after rank 1 replaced its file:
+    no rank replaces a file before the old manifest is gone, so it never vouches for a new file (the
+    old code let rank 1 replace first: step 4 was picked, then failed its checksum on load)."""
+    roots = [str(tmp_path / "ck")] * 2
+    run_ranks(_save_steps, 2, roots, [2, 4], timeout=90, pg_timeout=30)
+    with pytest.raises(RankFailed, match="SIGKILL"):
+        run_ranks(_save_steps, 2, roots, [crash[2]], crash, timeout=90, pg_timeout=10)
+    capfd.readouterr()
+    assert run_ranks(_resume_latest, 2, roots, timeout=90, pg_timeout=30) == [(f"step{resumed}", resumed)] * 2
+    err = capfd.readouterr().err
+    assert f"skipping incomplete checkpoint {tmp_path / 'ck' / f'step{crash[2]}'}: no manifest.json" in err, err
+
+
+def _per_rank_dirs(rank, world, roots):
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # every rank a node of its own, with a directory of its own
+    _save_steps(rank, world, roots, [2, 4, 6])
+    return sorted(os.listdir(C.step_dir(roots[rank], 6)))
+
+
+def test_without_a_shared_filesystem_the_ranks_agree_on_the_newest_step_verified_everywhere(tmp_path, capfd):
+    roots = [str(tmp_path / f"node{r}") for r in range(2)]
+    assert run_ranks(_per_rank_dirs, 2, roots, timeout=90, pg_timeout=30) == [
+        ["manifest.node0.json", "rank0.pt"], ["manifest.node1.json", "rank1.pt"]]
+    assert run_ranks(_resume_latest, 2, roots, timeout=90, pg_timeout=30) == [("step6", 6)] * 2
+    # node 1's step 6 is corrupted (same size), node 0's step 4 lost its manifest: step 2 is the
+    # newest checkpoint that verifies on both
+    f = tmp_path / "node1" / "step6" / "rank1.pt"
+    data = bytearray(f.read_bytes())
+    data[-40] ^= 0x01
+    f.write_bytes(bytes(data))
+    os.unlink(tmp_path / "node0" / "step4" / "manifest.node0.json")
+    capfd.readouterr()
+    assert run_ranks(_resume_latest, 2, roots, timeout=90, pg_timeout=30) == [("step2", 2)] * 2
+    err = capfd.readouterr().err
+    assert f"{tmp_path / 'node1' / 'step6'}: rank1.pt does not match its manifest" in err, err
+    assert f"{tmp_path / 'node0' / 'step4'}: no manifest.json" in err, err
+    assert "skipping checkpoint step4: it verifies on rank(s) [1] only, not on all 2" in err, err
 
 
 def test_latest_breaks_step_ties_by_manifest_time(tmp_path):

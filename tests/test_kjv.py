@@ -86,6 +86,17 @@ def test_override_text_file(tmp_path):
     assert kjv.read_text(tmp_path) == f.read_text()
 
 
+def test_truncated_text_file_names_the_file(tmp_path):
+    f = tmp_path / "kjv.txt"
+    f.write_bytes("In the beginning \u00e9".encode("utf-8")[:-1])  # cut inside a two-byte character
+    with pytest.raises(kjv.DatasetCorrupt, match=f"{f}: not UTF-8 text at byte 17 of 18"):
+        kjv.load(f, seq_len=4)
+    f.write_text("In the beginning", encoding="utf-8")
+    with pytest.raises(kjv.DatasetCorrupt, match=f"{f}: 16 characters, too short .* windows of 128"):
+        kjv.load(f)
+    assert isinstance(kjv.DatasetCorrupt("x"), ValueError)
+
+
 def test_missing_data_error(tmp_path, monkeypatch):
     with pytest.raises(kjv.DatasetMissing, match="apt-get install bible-kjv-text") as e:
         kjv.read_text(tmp_path / "nope.txt")

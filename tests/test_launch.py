@@ -126,3 +126,38 @@ def test_progress_slot_holds_step_and_pid(tmp_path, monkeypatch):
     p.report(6)
     p.close()
     assert struct.unpack("<qq", (tmp_path / "rank2").read_bytes()) == (6, os.getpid())
+
+
+@pytest.mark.parametrize("launcher, world, local_rank, cuda, gpus, want", [
+    ("local", 2, 0, False, 0, "gloo"),     # no CUDA
+    ("local", 2, 1, True, 1, "gloo"),      # one GPU, two ranks: set_device(1) would fail
+    ("local", 2, 1, True, 2, "nccl"),      # one GPU per rank on one host
+    ("local", 1, 0, True, 1, "nccl"),
+    ("emulated", 2, 0, True, 2, "gloo"),   # shaped links: NCCL would bypass them
+    ("emulated", 1, 0, True, 8, "gloo"),
+    ("torchrun", 8, 3, True, 4, "nccl"),   # LOCAL_RANK 3 < 4 devices
+    ("torchrun", 8, 4, True, 4, "gloo"),   # LOCAL_RANK 4 has no device
+    ("torchrun", 2, 0, False, 0, "gloo"),
+])
+def test_auto_backend_choice(monkeypatch, launcher, world, local_rank, cuda, gpus, want):
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.train.launcher import choose_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    backend, reason = choose_backend("auto", launcher, world, local_rank)
+    assert backend == want, reason
+    assert reason.startswith("auto: ") and (f"{gpus} CUDA device" in reason or launcher == "emulated")
+    assert choose_backend("gloo", launcher, world, local_rank) == ("gloo", "--backend gloo")
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)  # a build without NCCL
+    assert choose_backend("auto", launcher, world, local_rank)[0] == "gloo"
+
+
+def test_auto_backend_rejects_an_unknown_launcher():
+    from gradsync.train.launcher import choose_backend
+
+    with pytest.raises(ValueError, match="launcher must be one of torchrun, local, emulated, got 'slurm'"):
+        choose_backend("auto", "slurm", 2, 0)

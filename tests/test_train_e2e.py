@@ -39,6 +39,11 @@ def test_covap_auto_trains_and_writes_metrics(tmp_path):
                 "payload_bytes_per_iteration", "compression_ratio", "ccr", "ratio"):
         assert key in s, key
     assert s["world_size"] == 2 and s["steps"] == 30 and s["test_samples"] == 2000  # --eval-samples
+    import torch
+
+    if not torch.cuda.is_available():  # --backend auto, and why, in the summary
+        assert s["backend"] == "gloo (auto: 2 local ranks, 0 CUDA device(s) with NCCL (NCCL needs one per rank))"
+    assert "process group" in stdout and s["backend"].split()[0] in stdout.split("process group")[1]
     assert "(2,000 test samples)" in stdout
     assert s["test_accuracy"] > 0.3, "well above chance (0.1) after 30 steps"
     assert 1 <= s["ratio"] <= 32
@@ -74,6 +79,29 @@ def test_missing_dataset_says_how_to_get_it(tmp_path):
     proc = subprocess.run(CLI + ["train", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "apt-get install dataset-fashion-mnist" in proc.stderr and "--data-dir" in proc.stderr
+
+
+def _damaged_copy(tmp_path, name, keep):
+    """A --data-dir with the installed Fashion-MNIST files, ``name`` cut to its first ``keep`` bytes."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for f in fashion_mnist.DEFAULT_DIR.iterdir():
+        if f.name == name:
+            (d / name).write_bytes(f.read_bytes()[:keep])
+        else:
+            (d / f.name).symlink_to(f)
+    return d
+
+
+@pytest.mark.parametrize("keep", [2000, 9])
+def test_truncated_dataset_file_is_a_one_line_error_naming_it(tmp_path, keep):
+    name = "t10k-labels-idx1-ubyte.gz"
+    d = _damaged_copy(tmp_path, name, keep)
+    proc = subprocess.run(CLI + ["train", "--data-dir", str(d), "--max-steps", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+    assert proc.stderr.startswith(f"gradsync: error: {d / name}: truncated or damaged gzip file"), proc.stderr
 
 
 @pytest.mark.parametrize("kwargs, name", [

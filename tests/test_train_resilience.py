@@ -83,18 +83,19 @@ def _train(tmp_path, name, algorithm, *extra):
 @pytest.mark.parametrize("algorithm", ["allreduce", "covap"])
 def test_resume_latest_mid_epoch_continues_the_uninterrupted_losses(tmp_path, algorithm):
     # 1280 samples, 2 ranks, batch 64: 10 steps per epoch, cut at 6: checkpoints at steps 2 and 4
-    # (mid-epoch) and epoch1 (step 6); one evaluation per run keeps the test short
+    # (mid-epoch) and at the end, step 6 (mid-epoch too: a longer run continues the epoch); one
+    # evaluation per run keeps the test short
     ck = tmp_path / "ck"
     full, _ = _train(tmp_path, "full", algorithm, "--checkpoint", str(ck), "--checkpoint-every", "2")
-    assert {p.name for p in ck.iterdir()} == {"step2", "step4", "epoch1"}
-    # step 4 is the newest complete checkpoint; epoch1 lost its manifest (as if a rank died)
+    assert {p.name for p in ck.iterdir()} == {"step2", "step4", "step6"}
+    # step 4 is the newest complete checkpoint; step 6 lost its manifest (as if a rank died)
     resume = tmp_path / "resume"
     resume.mkdir()
-    for name in ("step2", "step4", "epoch1"):
+    for name in ("step2", "step4", "step6"):
         shutil.copytree(ck / name, resume / name)
-    os.unlink(resume / "epoch1" / "manifest.json")
+    os.unlink(resume / "step6" / "manifest.json")
     part, proc = _train(tmp_path, "part", algorithm, "--checkpoint", str(resume), "--resume", "latest")
-    assert "skipping incomplete checkpoint" in proc.stderr and "epoch1: no manifest.json" in proc.stderr
+    assert "skipping incomplete checkpoint" in proc.stderr and "step6: no manifest.json" in proc.stderr
     assert f"resuming from {resume / 'step4'} (step 4, epoch 0)" in proc.stdout
     a = [i["loss"] for i in full["iterations"]]
     b = [i["loss"] for i in part["iterations"]]
@@ -102,3 +103,71 @@ def test_resume_latest_mid_epoch_continues_the_uninterrupted_losses(tmp_path, al
     assert b[4:] == a[4:], "steps 5 and 6, trained after the resume, repeat the uninterrupted run exactly"
     assert [(e["test_loss"], e["test_acc"]) for e in part["epochs"]] == \
         [(e["test_loss"], e["test_acc"]) for e in full["epochs"]]
+
+
+@pytest.mark.timeout(900)
+def test_a_longer_run_continues_a_finished_one_with_the_schedule_over_the_new_length(tmp_path):
+    """A 4-step run, then --max-steps 8 --resume latest: steps 5-8 are trained (the old code trained
+    none and said nothing: the end checkpoint claimed a finished epoch), with the learning rates
+    of an 8-step one-cycle schedule (the old code's restored 4-step schedule raised at step 5). A
+    resume from step 2 trains 6 steps; a resume at the end is an error that says so."""
+    import torch
+
+    ck = tmp_path / "ck"
+    first, _ = _train(tmp_path, "first", "covap", "--checkpoint", str(ck), "--checkpoint-every", "2",
+                      "--max-steps", "4")
+    assert {p.name for p in ck.iterdir()} == {"step2", "step4"}
+    longer, proc = _train(tmp_path, "longer", "covap", "--checkpoint", str(ck), "--resume", "latest",
+                          "--max-steps", "8")
+    assert f"resuming from {ck / 'step4'} (step 4, epoch 0)" in proc.stdout
+    assert "resume: the run now has 8 steps (it had 4): training steps 5 to 8" in proc.stdout
+    assert [i["step"] for i in longer["iterations"]] == list(range(1, 9))
+    assert longer["iterations"][:4] == first["iterations"]
+    lr = longer["config"]["lr"]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=8, pct_start=0.15, anneal_strategy="cos")
+    want = []  # the loop logs the rate after each step's scheduler step
+    for _ in range(8):
+        opt.step()
+        sched.step()
+        want.append(sched.get_last_lr()[0])
+    assert [i["lr"] for i in longer["iterations"][4:]] == pytest.approx(want[4:], rel=1e-12)
+    assert longer["summary"]["steps"] == 8
+    from_two, _ = _train(tmp_path, "from_two", "covap", "--resume", str(ck / "step2"), "--max-steps", "8")
+    assert [i["step"] for i in from_two["iterations"]] == list(range(1, 9))
+    at_end = subprocess.run(CLI + ["--algorithm", "covap", "--ratio", "2", "--train-samples", "1280",
+                                   "--max-steps", "4", "--resume", str(ck / "step4")],
+                            capture_output=True, text=True, timeout=400, check=False)
+    assert at_end.returncode == 1
+    assert ("the checkpoint is at step 4, and this run ends at step 4 (--max-steps/--epochs): nothing left "
+            "to train") in at_end.stderr, at_end.stderr
+
+
+def test_continue_schedule_redefines_the_one_cycle_over_the_new_length():
+    """--epochs 2 -> 3 (or any new length): the rates from the resumed step on are the new length's."""
+    import torch
+
+    from gradsync.train.loop import continue_schedule
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+
+    def make(total):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total, pct_start=0.15,
+                                                   anneal_strategy="cos")
+
+    def rates(sched, n):
+        out = []
+        for _ in range(n):
+            opt.step()
+            sched.step()
+            out.append((sched.get_last_lr()[0], opt.param_groups[0]["momentum"]))
+        return out
+
+    want = rates(make(30), 29)[20:]  # after steps 21-29 of an uninterrupted 30-step schedule
+    assert continue_schedule(make, 20, 20, 10) is None, "same length: the restored scheduler goes on"
+    got = rates(continue_schedule(make, 20, 30, 20), 9)
+    assert got == want
+    with pytest.raises(ValueError, match="checkpoint is at step 20, and this run ends at step 20"):
+        continue_schedule(make, 20, 20, 20)
+    with pytest.raises(ValueError, match="nothing left to train"):
+        continue_schedule(make, 30, 10, 20)

@@ -212,3 +212,19 @@ def test_ddp_step_with_each_new_model(one_thread):
         assert torch.allclose(g0, reference, rtol=1e-4, atol=1e-6 * scale), kind
         # ... and it is the average, not one rank's own gradient.
         assert not torch.allclose(g0, _local_grad(kind, 0), rtol=1e-3, atol=1e-4 * scale), kind
+
+
+def test_truncated_or_damaged_idx_file_names_the_file(tmp_path):
+    from gradsync.workloads.fashion_mnist import DatasetCorrupt, read_idx
+
+    good = tmp_path / "labels-idx1-ubyte"
+    good.write_bytes((0x801).to_bytes(4, "big") + (5).to_bytes(4, "big") + bytes(range(5)))
+    assert read_idx(good).tolist() == [0, 1, 2, 3, 4]
+    short = tmp_path / "short-idx1-ubyte"
+    short.write_bytes(good.read_bytes()[:-2])
+    with pytest.raises(DatasetCorrupt, match=f"{short}: 11 bytes, but its header \\(shape \\(5,\\)\\) needs 13"):
+        read_idx(short)
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(b"not gzip at all")
+    with pytest.raises(DatasetCorrupt, match=f"{bad}: truncated or damaged gzip file"):
+        read_idx(bad)

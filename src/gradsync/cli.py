@@ -149,9 +149,9 @@ def _train(args: argparse.Namespace) -> int:
                          "(on real nodes run torchrun yourself, see the README)")
     values = dict(values_from_args(TrainConfig, args), workers=workers)
     cfg = TrainConfig(**values, options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
-    try:  # fail before spawning workers when the data is absent
+    try:  # fail before spawning workers when the data is absent or damaged (DatasetCorrupt: a ValueError)
         get_workload(cfg.workload).load(cfg.data_dir)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2
     if hosts is None:

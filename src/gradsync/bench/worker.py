@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import json
 import math
 import statistics
@@ -278,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_bench(cfg)
     finally:
+        gc.collect()  # the DDP wrappers (reference cycles) go before the group they use
         dist.destroy_process_group()
     if result is not None:
         write_result(argv[1], result)

@@ -23,6 +23,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("algorithm", s["algorithm"] + (f" (K={s['ratio']})" if "ratio" in s else "")),
         ("world size", str(s["world_size"])),
         *([("network", s["network"])] if "network" in s else []),
+        *([("process group", s["backend"])] if "backend" in s else []),  # backend (why)
         ("epochs", f"{s['epochs']} ({s['steps']} steps)"),
         ("final test accuracy", f"{s['test_accuracy'] * 100:.2f}%"
                                 + (f" ({s['test_samples']:,} test samples)" if "test_samples" in s else "")),

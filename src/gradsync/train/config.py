@@ -73,7 +73,8 @@ class TrainConfig(SharedConfig):
     out: Optional[str] = option(None, "write metrics.json and curves.png here")
     timeout: float = option(120.0, "seconds before a collective waiting on a dead peer fails", low=1.0,
                             high=86_400.0, units="s")
-    backend: str = option("auto", "process-group backend (auto: NCCL under torchrun with CUDA, else Gloo)",
+    backend: str = option("auto", "process-group backend (auto: NCCL under torchrun when LOCAL_RANK names a CUDA "
+                          "device, for local ranks with one CUDA device per rank; else Gloo, always on --hosts)",
                           choices=["auto", "gloo", "nccl"])
     compute_steps: int = option(3, "steps timed without communication (compute-only reference)", low=1, high=100)
     progress: bool = option(True, "show a progress bar on rank 0")

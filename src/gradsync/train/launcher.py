@@ -1,14 +1,16 @@
 """Start the training ranks: under ``torchrun`` use its environment, otherwise start local workers
 (:class:`gradsync.launch.LocalRanks`, which stops the others and reports when one dies).
 
-Local workers join a Gloo process group on 127.0.0.1 (a free port is chosen); under ``torchrun``
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) the backend is NCCL when CUDA is available, else
-Gloo, so the same command scales from a laptop to a cluster.
+Local workers join a process group on 127.0.0.1 (a free port is chosen); ``--backend auto`` picks
+NCCL for them only with one CUDA device per rank, for ranks on an emulated cluster never, and under
+``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` set) when the rank's ``LOCAL_RANK`` names a
+CUDA device (:func:`choose_backend`), so the same command scales from a laptop to a cluster.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import shlex
 import sys
@@ -31,30 +33,64 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def _backend_and_device(cfg: TrainConfig, local_rank: int) -> tuple[str, torch.device]:
-    backend = cfg.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
-        return backend, torch.device("cuda", local_rank)
-    return backend, torch.device("cpu")
+LAUNCHERS = ("torchrun", "local", "emulated")
 
 
-def _run_rank(rank: int, world: int, local_rank: int, cfg: TrainConfig) -> dict[str, Any] | None:
+def choose_backend(requested: str, launcher: str, world: int, local_rank: int) -> tuple[str, str]:
+    """The process-group backend of one rank and why: ``(backend, reason)``.
+
+    ``requested`` ``"gloo"``/``"nccl"`` is kept. ``"auto"``: under torchrun NCCL iff CUDA (with NCCL)
+    is available and ``local_rank`` < the CUDA device count; for local ranks (``launcher`` ``"local"``,
+    ``world`` ranks on this host) NCCL iff there is one CUDA device per rank; for ranks on an emulated
+    cluster (``"emulated"``) always Gloo: their hosts share this machine's devices (every rank has
+    ``LOCAL_RANK`` 0 on a host of its own) and NCCL would bypass the shaped links. Every rank of one
+    host decides alike (device count and ``world`` are the host's).
+
+    Raises:
+        ValueError: for ``launcher`` not one of torchrun, local, emulated.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if requested != "auto":
+        return requested, "--backend " + requested
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and dist.is_nccl_available() else 0
+    if launcher == "emulated":
+        return "gloo", "auto: ranks on emulated hosts (NCCL would bypass the shaped links)"
+    if launcher == "torchrun":
+        if local_rank < gpus:
+            return "nccl", f"auto: torchrun, LOCAL_RANK {local_rank} < {gpus} CUDA device(s)"
+        return "gloo", (f"auto: torchrun, no CUDA device with NCCL for LOCAL_RANK {local_rank} "
+                        f"({gpus} CUDA device(s))")
+    if gpus >= world:
+        return "nccl", f"auto: {world} local ranks, {gpus} CUDA device(s): one per rank"
+    return "gloo", f"auto: {world} local ranks, {gpus} CUDA device(s) with NCCL (NCCL needs one per rank)"
+
+
+def _run_rank(rank: int, world: int, local_rank: int, cfg: TrainConfig, launcher: str) -> dict[str, Any] | None:
+    """One rank: join the process group (backend from :func:`choose_backend`), train, and always
+    destroy the group on the way out (an exception included), so nothing gradsync started is left
+    for interpreter teardown. Rank 0's results say which backend was used and why."""
     from .loop import run
 
-    backend, device = _backend_and_device(cfg, local_rank)
+    backend, reason = choose_backend(cfg.backend, launcher, world, local_rank)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
     dist.init_process_group(backend, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=cfg.timeout))
     try:
-        return run(cfg, device)
+        result = run(cfg, device)
     finally:
+        gc.collect()  # the model's DDP reducer (in reference cycles) goes before the group it uses
         dist.destroy_process_group()
+    if result is not None:
+        result["summary"]["backend"] = f"{backend} ({reason})"
+    return result
 
 
 def _local_rank(rank: int, world: int, cfg: TrainConfig) -> dict[str, Any] | None:
-    return _run_rank(rank, world, rank, cfg)
+    return _run_rank(rank, world, rank, cfg, "local")
 
 
 class TrainingFailed(RankFailure):
@@ -118,7 +154,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     """
     if under_torchrun():
         return _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         int(os.environ.get("LOCAL_RANK", "0")), cfg)
+                         int(os.environ.get("LOCAL_RANK", "0")), cfg, "torchrun")
     with LocalRanks(cfg.workers) as ranks:
         ranks.start_function(_local_rank, (cfg,), start_method="spawn")
         try:

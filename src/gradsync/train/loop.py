@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,33 @@ from ..workloads import get_workload
 from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
 from .config import TrainConfig
 from .evaluate import evaluate
+
+
+def continue_schedule(make: Callable[[int], Any], saved_total: int, total: int, step: int,
+                      announce: bool = False) -> Any:
+    """The learning-rate scheduler of a run resumed at optimizer step ``step`` whose length changed
+    from ``saved_total`` steps (the checkpoint's schedule) to ``total`` (``--max-steps``/``--epochs``
+    now): ``make(total)`` advanced ``step`` steps, so the schedule is defined over the new length;
+    None when the length is unchanged (the restored scheduler continues as it was).
+
+    Raises:
+        ValueError: if ``step >= total``: the checkpoint is at or past the end of this run.
+    """
+    if step >= total:
+        raise ValueError(f"resume: the checkpoint is at step {step}, and this run ends at step {total} "
+                         "(--max-steps/--epochs): nothing left to train; give a larger --max-steps or --epochs "
+                         "to continue it")
+    if saved_total == total:
+        return None
+    sched = make(total)
+    with warnings.catch_warnings():  # stepping the schedule without optimizer steps is the point here
+        warnings.simplefilter("ignore")
+        for _ in range(step):
+            sched.step()
+    if announce:
+        print(f"resume: the run now has {total} steps (it had {saved_total}): training steps {step + 1} to "
+              f"{total}, with the learning-rate schedule over {total} steps", flush=True)
+    return sched
 
 
 def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] | None:
@@ -92,8 +121,11 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                   f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> {picked}", flush=True)
         check_config_agreement(dp.config())
 
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total_steps,
-                                                pct_start=0.15, anneal_strategy="cos")
+    def one_cycle(total: int) -> torch.optim.lr_scheduler.OneCycleLR:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total, pct_start=0.15,
+                                                   anneal_strategy="cos")
+
+    sched = one_cycle(total_steps)
 
     progress = None
     if rank == 0 and cfg.progress:
@@ -107,6 +139,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     if ckpt is not None:
         start_epoch, step, train_time = ckpt["epoch"], ckpt["step"], ckpt["train_seconds"]
         iterations, epoch_log = ckpt["iterations"], ckpt["epochs"]
+        sched = continue_schedule(one_cycle, int(ckpt["scheduler"]["total_steps"]), total_steps, step,
+                                  announce=rank == 0) or sched
         if progress is not None:
             progress.update(step)
     start_step = step
@@ -160,9 +194,14 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
             else:
                 print(line, flush=True)
         if cfg.checkpoint:
-            save_training_checkpoint(epoch_dir(cfg.checkpoint, epoch + 1), cfg, dp, sched, epoch=epoch + 1,
-                                     epoch_step=0, step=step, train_seconds=train_time,
-                                     iterations=iterations, epochs=epoch_log, scaler=precision.scaler)
+            done = step - epoch * steps_per_epoch  # batches of this epoch trained
+            if done < steps_per_epoch:  # --max-steps stopped the epoch: a longer run continues it
+                where, next_epoch, epoch_step = step_dir(cfg.checkpoint, step), epoch, done
+            else:
+                where, next_epoch, epoch_step = epoch_dir(cfg.checkpoint, epoch + 1), epoch + 1, 0
+            save_training_checkpoint(where, cfg, dp, sched, epoch=next_epoch, epoch_step=epoch_step, step=step,
+                                     train_seconds=train_time, iterations=iterations, epochs=epoch_log,
+                                     scaler=precision.scaler)
         if step >= total_steps:
             break
     if progress is not None:
@@ -206,6 +245,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     summary["bucket_cap_mb"] = bucket_cap_mb
     if bucket_warning is not None:
         summary["bucket_warning"] = bucket_warning
+    dp.close()  # hooks and the algorithm's own process groups go before the default group (on every rank)
     if rank != 0:
         return None
     return {"config": cfg.to_dict(), "summary": summary, "hook_stats": stats,

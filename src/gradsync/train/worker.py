@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0]) as f:
         cfg = TrainConfig(**json.load(f))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result = _run_rank(rank, world, int(os.environ.get("LOCAL_RANK", "0")), cfg)
+    result = _run_rank(rank, world, int(os.environ.get("LOCAL_RANK", "0")), cfg, "emulated")
     if result is not None:
         write_result(argv[1], result, default=str)
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -43,21 +44,35 @@ def _find(data_dir: Path, stem: str) -> Path:
     )
 
 
+class DatasetCorrupt(ValueError):
+    """A dataset file is truncated or not what its name says; the message names the file and what is wrong."""
+
+
 def read_idx(path: Path) -> np.ndarray:
     """Read one idx file (optionally gzip-compressed) into a uint8 array.
 
     Raises:
-        ValueError: if the magic number does not describe unsigned-byte data.
+        DatasetCorrupt: naming ``path``, if it is not a complete unsigned-byte idx file (a truncated
+            or damaged ``.gz``, a wrong magic number, fewer bytes than its header's shape needs).
     """
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, OSError, zlib.error) as exc:  # gzip: EOFError when cut short, BadGzipFile, zlib.error
+        raise DatasetCorrupt(f"{path}: truncated or damaged gzip file ({exc}); replace it (apt-get install "
+                             "--reinstall dataset-fashion-mnist, or a fresh download)") from None
     magic = int.from_bytes(data[0:4], "big")
-    if magic >> 8 != 0x08:
-        raise ValueError(f"{path}: not an unsigned-byte idx file (magic {magic:#x})")
+    if len(data) < 4 or magic >> 8 != 0x08:
+        raise DatasetCorrupt(f"{path}: not an unsigned-byte idx file (magic {magic:#x})")
     ndim = magic & 0xFF
+    header = 4 + 4 * ndim
     shape = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    need = header + int(np.prod(shape, dtype=np.int64))
+    if len(data) != need:
+        raise DatasetCorrupt(f"{path}: {len(data):,} bytes, but its header (shape {shape}) needs {need:,}; "
+                             "the file is truncated or damaged")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
 
 
 def load(data_dir: str | os.PathLike | None = None, split: str = "train"):
@@ -69,6 +84,7 @@ def load(data_dir: str | os.PathLike | None = None, split: str = "train"):
 
     Raises:
         DatasetMissing: if the files are not in ``data_dir``.
+        DatasetCorrupt: naming the file, if one is truncated or damaged (see :func:`read_idx`).
         ValueError: if ``split`` is not ``train`` or ``test``.
     """
     if split not in ("train", "test"):

@@ -50,13 +50,21 @@ class DatasetMissing(FileNotFoundError):
     """The KJV text could not be found; the message says how to get it."""
 
 
+class DatasetCorrupt(ValueError):
+    """The text is not usable (not UTF-8, cut off inside a character, too short); the message names the file."""
+
+
 def _read_override(data_dir: str | os.PathLike) -> str:
     p = Path(data_dir)
     if p.is_dir():
         p = p / OVERRIDE_NAME
     if not p.is_file():
         raise DatasetMissing(f"KJV text file {p} not found. {INSTALL_HINT}")
-    return p.read_text(encoding="utf-8")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise DatasetCorrupt(f"{p}: not UTF-8 text at byte {exc.start:,} of {len(exc.object):,} ({exc.reason}; "
+                             "a truncated or damaged file?)") from None
 
 
 def read_text(data_dir: str | os.PathLike | None = None) -> str:
@@ -71,6 +79,7 @@ def read_text(data_dir: str | os.PathLike | None = None) -> str:
 
     Raises:
         DatasetMissing: if the override file, the ``bible`` program or its data file is absent.
+        DatasetCorrupt: naming the override file, if it is not UTF-8 (e.g. cut inside a character).
         RuntimeError: if ``bible`` fails or prints nothing.
     """
     if data_dir:
@@ -172,11 +181,17 @@ def load(data_dir: str | os.PathLike | None = None, seq_len: int = 128, val_frac
 
     Raises:
         DatasetMissing: if the text is absent.
+        DatasetCorrupt: naming the file, if it is not UTF-8 or too short for one window per split.
     """
     text = read_text(data_dir)
     vocab = build_vocab(text)
     ids = encode(text, vocab)
     train_ids, val_ids = split_ids(ids, val_fraction)
-    train_x, train_y = make_windows(train_ids, seq_len)
-    val_x, val_y = make_windows(val_ids, seq_len)
+    try:
+        train_x, train_y = make_windows(train_ids, seq_len)
+        val_x, val_y = make_windows(val_ids, seq_len)
+    except ValueError as exc:
+        source = data_dir if data_dir else f"the text of {BIBLE_PROGRAM!r} ({BIBLE_DATA})"
+        raise DatasetCorrupt(f"{source}: {len(text):,} characters, too short for training and validation "
+                             f"windows of {seq_len} ({exc}); a truncated file?") from None
     return train_x, train_y, val_x, val_y, vocab
