@@ -112,7 +112,8 @@ def _kill_worker_when(agent: subprocess.Popen, ready: Path, timeout_s: float = 2
 def test_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path, algorithm):
     """2 nodes, --max-restarts 1, one node's worker SIGKILLed after the step-10 checkpoint: torchrun
     restarts both workers, ``--resume latest`` continues from step 10 (it started fresh the first
-    time, when there was none) and the losses equal the uninterrupted run's from there on. One
+    time, when there was none) and the losses equal the uninterrupted run's from there on. Each host
+    checkpoints into its own directory (no shared filesystem); the nodes agree on the step. One
     restart is enough because the agents do not share their TCPStore with the workers
     (:data:`gradsync.cluster.torchrun.ELASTIC_ENV`); with the sharing it took up to 3."""
     common = ["train", *algorithm, "--max-steps", "20", "--eval-samples", "200", "--seed", "5", "--timeout", "60",
@@ -120,13 +121,15 @@ def test_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path, algorithm)
     codes, _ = _torchrun(tmp_path, 2, 1, [*common, "--checkpoint", str(tmp_path / "ck0"), "--out", str(tmp_path / "whole")])
     assert codes == [0, 0]
 
+    # no shared filesystem: each host checkpoints into a directory of its own
     nodes = TorchrunNodes(port=free_port(), rdzv_id=f"r{os.getpid()}", max_restarts=1)
-    args = [*common, "--checkpoint", str(tmp_path / "ck1"), "--resume", "latest", "--out", str(tmp_path / "restarted")]
+    args = [[*common, "--checkpoint", str(tmp_path / f"ck1-host{i}"), "--resume", "latest",
+             "--out", str(tmp_path / "restarted")] for i in range(2)]
     logs = [open(tmp_path / f"restart{i}.log", "w") for i in range(2)]
     try:
         with EmulatedCluster(2, 50, mode="netns") as cluster:
             agents = nodes.start(cluster, "gradsync", args, stdout=lambda i: logs[i], stderr=subprocess.STDOUT)
-            _kill_worker_when(agents[1], tmp_path / "ck1" / "step10" / "manifest.json")
+            _kill_worker_when(agents[1], tmp_path / "ck1-host1" / "step10" / "manifest.node1.json")
             codes = wait_all(agents, timeout_s=300)
     finally:
         for f in logs:
@@ -135,7 +138,10 @@ def test_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path, algorithm)
     assert codes == [0, 0], text
     assert "starting from scratch" in text[0] + text[1], "the first attempt should have said it starts fresh"
     whole = {s: (loss, wire) for s, loss, wire in _losses(tmp_path / "whole")}
-    assert f"resuming from {tmp_path / 'ck1' / 'step10'} (step 10" in text[0], text[0]
+    assert "resuming from" in text[0] and "step10 (step 10" in text[0], text[0]
+    for i in range(2):  # each host's directory holds only its own node's files and manifest
+        names = sorted(p.name for p in (tmp_path / f"ck1-host{i}" / "step10").iterdir())
+        assert names == [f"manifest.node{i}.json", f"rank{i}.pt"], names
     after = _losses(tmp_path / "restarted")  # steps 1-10 restored from the checkpoint, 11-20 trained again
     assert [s for s, _, _ in after] == list(range(1, 21)), after
     assert all(whole[s] == (loss, wire) for s, loss, wire in after), (after, whole)
