@@ -140,7 +140,7 @@ def _train(args: argparse.Namespace) -> int:
     from .options import values_from_args
     from .report import print_summary, write_outputs
     from .train.config import TrainConfig
-    from .train.launcher import launch, network_label
+    from .train.launcher import launch, limit_launcher_threads, network_label
     from .workloads import get_workload
 
     workers, hosts, rates = _train_network(args)
@@ -149,7 +149,8 @@ def _train(args: argparse.Namespace) -> int:
                          "(on real nodes run torchrun yourself, see the README)")
     values = dict(values_from_args(TrainConfig, args), workers=workers)
     cfg = TrainConfig(**values, options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
-    try:  # fail before spawning workers when the data is absent or damaged (DatasetCorrupt: a ValueError)
+    limit_launcher_threads()
+    try:  # fail before starting workers when the data is absent or damaged (DatasetCorrupt: a ValueError)
         get_workload(cfg.workload).load(cfg.data_dir)
     except (FileNotFoundError, ValueError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)

@@ -156,11 +156,24 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         return _run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                          int(os.environ.get("LOCAL_RANK", "0")), cfg, "torchrun")
     with LocalRanks(cfg.workers) as ranks:
-        ranks.start_function(_local_rank, (cfg,), start_method="spawn")
+        ranks.start_function(_local_rank, (cfg,), start_method=local_start_method())
         try:
             return ranks.join()[0]
         except RankFailure as exc:
             raise TrainingFailed(exc, cfg.checkpoint) from None
+
+
+def limit_launcher_threads() -> None:
+    """The launching process runs its own torch code (the data check) on one thread, so no OpenMP
+    thread pool exists when :func:`local_start_method` forks the ranks."""
+    torch.set_num_threads(1)
+
+
+def local_start_method() -> str:
+    """How local ranks start: ``fork`` (4-5 s faster per run than ``spawn`` here: the ranks neither
+    re-import torch nor re-run the launcher's imports) where CUDA is absent; ``spawn`` where it is
+    available, since a CUDA runtime initialised in the launcher does not survive a fork."""
+    return "spawn" if torch.cuda.is_available() else "fork"
 
 
 def network_label(cfg: TrainConfig) -> str:
