@@ -85,11 +85,10 @@ def attach(name, opts, model):
     return ddp, state
 
 
-def train(rank, model, ddp, state, steps, inf_step, scaler, gen, out=None):
-    """Train ``steps`` (a range) with the inf injected on rank 0 at ``inf_step``; append each step's
-    scale, saved state and parameters to ``out``."""
-    out = out if out is not None else {"scales": [], "states": [], "params": []}
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+def run_with_one_inf(rank, model, forward, zero_grad, step_fn, steps, inf_step, scaler, gen, saved, out):
+    """Train ``steps`` (a range) through ``forward`` with one inf injected into ``PARAM``'s gradient
+    element ``ELEMENT`` on rank 0 at ``inf_step``; ``step_fn()`` is the optimizer step. Appends each
+    step's scale, ``saved()`` state and parameters to ``out``."""
     step = {"t": -1}
 
     def inject(g):
@@ -101,16 +100,28 @@ def train(rank, model, ddp, state, steps, inf_step, scaler, gen, out=None):
     handle = dict(model.named_parameters())[PARAM].register_hook(inject)
     for t in steps:
         step["t"] = t
-        opt.zero_grad()
+        zero_grad()
         x, y = torch.randn(8, 20, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
+        scaler.scale(nn.functional.cross_entropy(forward(x), y)).backward()
+        step_fn()
         out["scales"].append(scaler.get_scale())
-        out["states"].append(saved_state(state))
+        out["states"].append(saved())
         out["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     handle.remove()
     return out
+
+
+def train(rank, model, ddp, state, steps, inf_step, scaler, gen, out=None):
+    """:func:`run_with_one_inf` on DDP with ``state``'s hook and GradScaler's step."""
+    out = out if out is not None else {"scales": [], "states": [], "params": []}
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+    def step_fn():
+        scaler.step(opt)
+        scaler.update()
+
+    return run_with_one_inf(rank, model, ddp, opt.zero_grad, step_fn, steps, inf_step, scaler, gen,
+                            lambda: saved_state(state), out)
 
 
 def train_with_one_inf(rank, world, cases):
@@ -220,28 +231,15 @@ def dear_covap_with_one_inf(rank, world):
     dear = DeAR(model, torch.optim.SGD(model.parameters(), lr=0.05), fusion_mb=0.01, grad_filter=filt,
                 grad_scaler=scaler)
     filt.bind(dear)
-    inf_step, step = 5, {"t": -1}
-
-    def inject(g):
-        if rank == 0 and step["t"] == inf_step:
-            g = g.clone()
-            g.view(-1)[ELEMENT] = float("inf")
-        return g
-
-    dict(model.named_parameters())[PARAM].register_hook(inject)
     gen = torch.Generator().manual_seed(rank)
-    out = {"scales": [], "states": [], "params": [], "inf_step": inf_step}
-    for t in range(STEPS):
-        step["t"] = t
-        dear.zero_grad()
-        x, y = torch.randn(8, 20, generator=gen), torch.randint(0, 10, (8,), generator=gen)
-        scaler.scale(nn.functional.cross_entropy(dear(x), y)).backward()
+
+    def step_fn():
         dear.step(scaler)
         dear.flush()
-        out["scales"].append(scaler.get_scale())
-        out["states"].append([e.clone() for e in filt.filter.memory.residuals.values()])
-        out["params"].append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
-    return out
+
+    return run_with_one_inf(rank, model, dear, dear.zero_grad, step_fn, range(STEPS), 5, scaler, gen,
+                            lambda: [e.clone() for e in filt.filter.memory.residuals.values()],
+                            {"scales": [], "states": [], "params": [], "inf_step": 5})
 
 
 def test_dear_covap_one_inf_costs_exactly_one_step():
