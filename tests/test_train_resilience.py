@@ -109,8 +109,8 @@ def test_resume_latest_mid_epoch_continues_the_uninterrupted_losses(tmp_path, al
 def test_a_longer_run_continues_a_finished_one_with_the_schedule_over_the_new_length(tmp_path):
     """A 4-step run, then --max-steps 8 --resume latest: steps 5-8 are trained (the old code trained
     none and said nothing: the end checkpoint claimed a finished epoch), with the learning rates
-    of an 8-step one-cycle schedule (the old code's restored 4-step schedule raised at step 5). A
-    resume from step 2 trains 6 steps; a resume at the end is an error that says so."""
+    of an 8-step one-cycle schedule (the old code's restored 4-step schedule raised at step 5); a
+    resume at the end is an error that says so."""
     import torch
 
     ck = tmp_path / "ck"
@@ -133,8 +133,6 @@ def test_a_longer_run_continues_a_finished_one_with_the_schedule_over_the_new_le
         want.append(sched.get_last_lr()[0])
     assert [i["lr"] for i in longer["iterations"][4:]] == pytest.approx(want[4:], rel=1e-12)
     assert longer["summary"]["steps"] == 8
-    from_two, _ = _train(tmp_path, "from_two", "covap", "--resume", str(ck / "step2"), "--max-steps", "8")
-    assert [i["step"] for i in from_two["iterations"]] == list(range(1, 9))
     at_end = subprocess.run(CLI + ["--algorithm", "covap", "--ratio", "2", "--train-samples", "1280",
                                    "--max-steps", "4", "--resume", str(ck / "step4")],
                             capture_output=True, text=True, timeout=400, check=False)

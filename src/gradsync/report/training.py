@@ -42,6 +42,8 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("DDP bucket_cap_mb", f"{s['bucket_cap_mb']:g} MB"))
     if "bucket_warning" in s:
         rows.append(("warning", s["bucket_warning"]))
+    if "stragglers" in s:
+        rows.append(("stragglers (per-rank compute, link probe)", s["stragglers"]["note"]))
     return rows
 
 

@@ -20,6 +20,7 @@ from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
 from ..profiler.ccr import bucket_overlap_warning, measure_ccr, resolve_bucket_cap_mb
 from ..profiler.compute import time_compute
+from ..profiler.stragglers import gather_stragglers
 from ..workloads import get_workload
 from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
 from .config import TrainConfig
@@ -245,6 +246,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     summary["bucket_cap_mb"] = bucket_cap_mb
     if bucket_warning is not None:
         summary["bucket_warning"] = bucket_warning
+    if world > 1:  # per-rank figures and a link probe, gathered on every rank (collective)
+        summary["stragglers"] = gather_stragglers(compute.step_s, summary["mean_iteration_s"])
     dp.close()  # hooks and the algorithm's own process groups go before the default group (on every rank)
     if rank != 0:
         return None
