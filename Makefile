@@ -39,7 +39,7 @@ reproduce: setup
 	$(PY) benchmarks/reproduce.py --out results
 
 test: setup
-	$(VENV)/bin/python -m pytest -q tests
+	$(VENV)/bin/python -m pytest -q tests --durations=15
 
 clean:
 	rm -rf $(VENV) runs results build *.egg-info

@@ -141,7 +141,7 @@ def _train(args: argparse.Namespace) -> int:
     from .report import print_summary, write_outputs
     from .train.config import TrainConfig
     from .train.launcher import launch, limit_launcher_threads, network_label
-    from .workloads import get_workload
+    from .workloads import get_workload, load_data
 
     workers, hosts, rates = _train_network(args)
     if args.launcher == "torchrun" and hosts is None:
@@ -151,7 +151,7 @@ def _train(args: argparse.Namespace) -> int:
     cfg = TrainConfig(**values, options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
     limit_launcher_threads()
     try:  # fail before starting workers when the data is absent or damaged (DatasetCorrupt: a ValueError)
-        get_workload(cfg.workload).load(cfg.data_dir)
+        load_data(get_workload(cfg.workload), cfg.data_dir)
     except (FileNotFoundError, ValueError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

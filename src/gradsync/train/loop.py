@@ -21,7 +21,7 @@ from ..launch import rank_progress
 from ..profiler.ccr import bucket_overlap_warning, measure_ccr, resolve_bucket_cap_mb
 from ..profiler.compute import time_compute
 from ..profiler.stragglers import gather_stragglers
-from ..workloads import get_workload
+from ..workloads import get_workload, load_data
 from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
 from .config import TrainConfig
 from .evaluate import evaluate
@@ -72,7 +72,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     check_config_agreement(cfg.agreement_fields())
 
     workload = get_workload(cfg.workload, cfg.model)
-    train_x, train_y, test_x, test_y = workload.load(cfg.data_dir)
+    train_x, train_y, test_x, test_y = load_data(workload, cfg.data_dir)
     if cfg.train_samples is not None:
         train_x, train_y = train_x[:cfg.train_samples], train_y[:cfg.train_samples]
     if cfg.eval_samples is not None:

@@ -246,6 +246,23 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
+_LOADED: dict[tuple[str, str | None], tuple] = {}
+
+
+def load_data(workload: Workload, data_dir: str | None) -> tuple:
+    """``workload.load(data_dir)``, kept for the life of this process and of the ranks it forks: the
+    launcher's data check loads the files once and forked ranks reuse those tensors (copy-on-write)
+    instead of reading them again. Callers must not modify the tensors in place.
+
+    Raises:
+        whatever ``workload.load`` raises (FileNotFoundError, DatasetCorrupt).
+    """
+    key = (workload.name, data_dir)
+    if key not in _LOADED:
+        _LOADED[key] = workload.load(data_dir)
+    return _LOADED[key]
+
+
 def get_workload(name: str, model: str | None = None) -> Workload:
     """Workload ``name``, with architecture ``model`` in place of its default where given.
 
