@@ -141,6 +141,9 @@ _RANK_SCRIPT = textwrap.dedent("""
     print("RESULT " + json.dumps({"ks": ks, "ccr": stats["covap_ccr"], "backward_s": stats["covap_backward_s"],
                                   "comm_s": stats["covap_comm_s"]}), flush=True)
     dist.barrier()
+    del model, state, hook  # DDP and the hook state go before the process group, as gradsync's workers do
+    import gc
+    gc.collect()
     dist.destroy_process_group()
 """)
 

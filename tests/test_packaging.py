@@ -49,6 +49,7 @@ JOB = textwrap.dedent("""
         if rank == 0:
             s = state.stats()
             print(f"COVAP_OK iteration={s['iteration']} compression_ratio={s['compression_ratio']:.4f}")
+        del ddp, state, hook, opt  # DDP and the hook state go before the process group
         dist.destroy_process_group()
 
     if __name__ == "__main__":
