@@ -76,3 +76,15 @@ def run_ranks(
     if expect_failure:
         return [(True, v) for v in results]
     return results
+
+
+def cluster_skip_reason(needs_fashion_mnist: bool = False) -> str | None:
+    """Why the emulated-cluster tests cannot run here (:func:`gradsync.cluster.commands.why_unshaped`:
+    not root, no iproute2; with ``needs_fashion_mnist`` also a missing dataset), or ``None``."""
+    from gradsync.cluster.commands import why_unshaped
+    from gradsync.workloads import fashion_mnist
+
+    why = why_unshaped()
+    if why is None and needs_fashion_mnist and not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists():
+        why = "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)"
+    return why

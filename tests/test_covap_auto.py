@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,7 +24,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from distributed import run_ranks
+from distributed import cluster_skip_reason, run_ranks
 from small_mlp import backward_step, make_model
 from gradsync.algorithms import build_hook
 from gradsync.algorithms.covap import AUTO_ADAPT_EVERY, CovapState
@@ -106,14 +105,6 @@ def test_explicit_calibration_is_kept():
 # --------------------------------------------------------------------------------------------
 # Emulated cluster: real timings at low bandwidth
 # --------------------------------------------------------------------------------------------
-def _cluster_why():
-    if os.geteuid() != 0:
-        return "not root: network namespaces and tc need root"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "ip/tc (iproute2) not installed"
-    return None
-
-
 _RANK_SCRIPT = textwrap.dedent("""
     import datetime, json, os
     import torch, torch.distributed as dist
@@ -148,7 +139,7 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(_cluster_why() is not None, reason=_cluster_why() or "")
+@pytest.mark.skipif(cluster_skip_reason() is not None, reason=cluster_skip_reason() or "")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mbit, widths, cast", [
     (20.0, "256,512,256,10", ""),             # 0.30 M parameters, 1.2 MB

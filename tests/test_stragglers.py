@@ -5,16 +5,14 @@ slowest link."""
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from distributed import run_ranks
+from distributed import cluster_skip_reason, run_ranks
 from gradsync.compressors.covap_shards import ratio_for_ccr
 from gradsync.profiler.stragglers import find_stragglers, probe_links
-from gradsync.workloads import fashion_mnist
 
 MB = 1e6 / 8  # bytes/s of 1 Mbit/s
 
@@ -47,13 +45,7 @@ def test_probe_gives_every_rank_the_same_hop_rates():
     assert len(results[0]) == 3 and all(r > 1e6 for r in results[0])  # loopback: well above 1 MB/s
 
 
-_WHY = None
-if os.geteuid() != 0:
-    _WHY = "not root: network namespaces and tc need root"
-elif shutil.which("ip") is None or shutil.which("tc") is None:
-    _WHY = "ip/tc (iproute2) not installed"
-elif not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists():
-    _WHY = "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)"
+_WHY = cluster_skip_reason(needs_fashion_mnist=True)
 
 
 def _train(tmp_path, name, bandwidth):

@@ -5,7 +5,6 @@ Needs root (namespaces, tc) and Fashion-MNIST; skipped with the reason otherwise
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -14,18 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from distributed import cluster_skip_reason
 from gradsync.cluster import EmulatedCluster
 from gradsync.cluster.torchrun import TorchrunNodes, wait_all
 from gradsync.comm.rendezvous import free_port
-from gradsync.workloads import fashion_mnist
 
-_WHY = None
-if os.geteuid() != 0:
-    _WHY = "not root: network namespaces and tc need root"
-elif shutil.which("ip") is None or shutil.which("tc") is None:
-    _WHY = "ip/tc (iproute2) not installed"
-elif not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists():
-    _WHY = "Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)"
+_WHY = cluster_skip_reason(needs_fashion_mnist=True)
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 ALGORITHMS = {"covap": ["--algorithm", "covap", "--ratio", "2"], "dear": ["--algorithm", "dear"]}
