@@ -1,28 +1,26 @@
 """``gradsync bench`` smoke run (2 ranks, loopback) and ``gradsync profile`` / ``simulate`` end to end."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from gradsync.bench.config import BenchConfig
 from gradsync.workloads import fashion_mnist
+from cli_runner import run_cli
 
 needs_data = pytest.mark.skipif(
     not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)",
 )
-CLI = [sys.executable, "-m", "gradsync"]
 
 
 @needs_data
 def test_bench_smoke_reports_every_field(tmp_path):
-    proc = subprocess.run(CLI + ["bench", "--hosts", "2", "--steps", "3", "--warmup", "1", "--rounds", "2",
-                                 "--algorithms", "allreduce,covap,dear-covap", "--ratio", "2",
-                                 "--to-accuracy", "0.3", "--eval-every", "5", "--max-accuracy-steps", "60",
-                                 "--eval-samples", "500",
-                                 "--out", str(tmp_path)], capture_output=True, text=True, timeout=400)
+    proc = run_cli(["bench", "--hosts", "2", "--steps", "3", "--warmup", "1", "--rounds", "2",
+                    "--algorithms", "allreduce,covap,dear-covap", "--ratio", "2",
+                    "--to-accuracy", "0.3", "--eval-every", "5", "--max-accuracy-steps", "60",
+                    "--eval-samples", "500",
+                    "--out", str(tmp_path)], timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradsync bench" in proc.stdout and "loopback, NOT shaped" in proc.stdout
     result = json.loads((tmp_path / "bench.json").read_text())
@@ -55,9 +53,9 @@ def test_bench_smoke_reports_every_field(tmp_path):
 @needs_data
 def test_profile_then_simulate(tmp_path):
     prof = tmp_path / "p.json"
-    proc = subprocess.run(CLI + ["profile", "--iterations", "1", "--out", str(prof), "--trace",
-                                 str(tmp_path / "t.json"), "--algorithm", "covap"],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(["profile", "--iterations", "1", "--out", str(prof), "--trace",
+                    str(tmp_path / "t.json"), "--algorithm", "covap"],
+                    timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads(prof.read_text())
     assert p["schema"] == "gradsync-profile/1" and p["forward_s"] > 0 and len(p["buckets"]) >= 2
@@ -67,9 +65,9 @@ def test_profile_then_simulate(tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())
     lanes = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)} <= lanes
-    proc = subprocess.run(CLI + ["simulate", "--profile", str(prof), "--world-sizes", "2,64", "--bandwidths",
-                                 "10,10000", "--algorithms", "dense,covap:4", "--out", str(tmp_path / "sim")],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli(["simulate", "--profile", str(prof), "--world-sizes", "2,64", "--bandwidths",
+                    "10,10000", "--algorithms", "dense,covap:4", "--out", str(tmp_path / "sim")],
+                    timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "sim" / "simulate.json").read_text())["rows"]
     assert len(rows) == 2 * 2 * 2

@@ -3,14 +3,13 @@ options each entry gets, the seeds' summary in the accuracy table, and a 2-rank 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from gradsync.bench.config import BenchConfig, parse_entry
 from gradsync.bench.report import accuracy_rows, print_accuracy_table
 from gradsync.workloads import fashion_mnist
+from cli_runner import run_cli
 
 
 def test_parse_entry_converts_values_to_the_option_types():
@@ -97,12 +96,12 @@ def test_accuracy_rows_summarise_the_seeds(capsys, monkeypatch):
 @pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 def test_bench_runs_entries_of_one_algorithm_and_several_seeds(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "gradsync", "bench", "--hosts", "2", "--steps", "2", "--warmup", "0",
+    proc = run_cli(
+        ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0",
          "--rounds", "1", "--algorithms", "allreduce,powersgd:matrix_approximation_rank=1,"
          "powersgd:matrix_approximation_rank=2", "--seeds", "0,1", "--to-accuracy", "0.5", "--eval-every", "10",
          "--max-accuracy-steps", "10", "--eval-samples", "1000", "--table", "accuracy", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=400, env={**os.environ, "COLUMNS": "250"})
+        timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     rows = {r["algorithm"]: r for r in result["rows"]}

@@ -5,13 +5,12 @@ logits are (batch, vocabulary, positions), not a timing)."""
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from gradsync.algorithms import REGISTRY
 from gradsync.workloads import kjv
+from cli_runner import run_cli
 
 HAVE_KJV = shutil.which(kjv.BIBLE_PROGRAM) is not None and kjv.BIBLE_DATA.is_file()
 
@@ -20,10 +19,10 @@ HAVE_KJV = shutil.which(kjv.BIBLE_PROGRAM) is not None and kjv.BIBLE_DATA.is_fil
 @pytest.mark.timeout(900)
 def test_bench_runs_kjv_transformer_with_every_algorithm(tmp_path):
     names = sorted(REGISTRY)
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "bench", "--workload", "kjv-transformer",
-                           "--algorithms", ",".join(names), "--batch-size", "2", "--steps", "1", "--warmup", "0",
-                           "--rounds", "1", "--ratio", "2", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=880)
+    proc = run_cli(["bench", "--workload", "kjv-transformer",
+                    "--algorithms", ",".join(names), "--batch-size", "2", "--steps", "1", "--warmup", "0",
+                    "--rounds", "1", "--ratio", "2", "--out", str(tmp_path)],
+                    timeout=880)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loopback, NOT shaped" in proc.stdout
     result = json.loads((tmp_path / "bench.json").read_text())

@@ -6,8 +6,6 @@ to hide their communication behind the backward pass, and ``gradsync train``'s `
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from gradsync.algorithms import build_hook
 from gradsync.profiler.ccr import (MIN_OVERLAP_BUCKETS, TARGET_BUCKETS, bucket_overlap_warning,
                                    ddp_bucket_numels, suggested_bucket_cap_mb)
 from gradsync.workloads import fashion_mnist
+from cli_runner import run_cli
 
 MB = 2**20
 
@@ -82,9 +81,9 @@ needs_data = pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-i
 
 def _train(tmp_path, *args):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "gradsync", "train", "--max-steps", "4", "--no-progress",
-                           "--eval-samples", "200", "--train-samples", "2048", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(["train", "--max-steps", "4", "--no-progress",
+                    "--eval-samples", "200", "--train-samples", "2048", "--out", str(out), *args],
+                    timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text())["summary"], proc.stdout, proc.stderr
 

@@ -17,6 +17,7 @@ from distributed import cluster_skip_reason
 from gradsync.cluster import EmulatedCluster
 from gradsync.cluster.torchrun import TorchrunNodes, wait_all
 from gradsync.comm.rendezvous import free_port
+from cli_runner import run_cli
 
 _WHY = cluster_skip_reason(needs_fashion_mnist=True)
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
@@ -35,8 +36,7 @@ def local_runs(tmp_path_factory):
     out = {}
     for name in ALGORITHMS:
         d = tmp_path_factory.mktemp(f"local-{name}")
-        run = subprocess.run([sys.executable, "-m", "gradsync", *_train_args(name, d / "ck"), "--workers", "2",
-                              "--out", str(d / "out")], capture_output=True, text=True, timeout=300)
+        run = run_cli([*_train_args(name, d / "ck"), "--workers", "2", "--out", str(d / "out")], timeout=300)
         assert run.returncode == 0, run.stdout + run.stderr
         out[name] = _losses(d / "out")
     return out

@@ -10,6 +10,7 @@ import pytest
 
 from gradsync.train.config import TrainConfig
 from gradsync.workloads import fashion_mnist
+from cli_runner import run_cli
 
 pytestmark = pytest.mark.skipif(
     not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
@@ -21,9 +22,9 @@ CLI = [sys.executable, "-m", "gradsync"]
 
 def train(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "run"
-    proc = subprocess.run(CLI + ["train", "--max-steps", "30", "--no-progress", "--eval-samples", "2000",
-                                 "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=240)
+    proc = run_cli(["train", "--max-steps", "30", "--no-progress", "--eval-samples", "2000",
+                    "--out", str(out), *args],
+                    timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "gradsync train: summary" in proc.stdout
     assert (out / "curves.png").stat().st_size > 10_000
@@ -76,7 +77,7 @@ def test_bad_cli_argument_is_a_clear_error():
 
 
 def test_missing_dataset_says_how_to_get_it(tmp_path):
-    proc = subprocess.run(CLI + ["train", "--data-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    proc = run_cli(["train", "--data-dir", str(tmp_path)], timeout=60)
     assert proc.returncode == 2
     assert "apt-get install dataset-fashion-mnist" in proc.stderr and "--data-dir" in proc.stderr
 
@@ -97,8 +98,8 @@ def _damaged_copy(tmp_path, name, keep):
 def test_truncated_dataset_file_is_a_one_line_error_naming_it(tmp_path, keep):
     name = "t10k-labels-idx1-ubyte.gz"
     d = _damaged_copy(tmp_path, name, keep)
-    proc = subprocess.run(CLI + ["train", "--data-dir", str(d), "--max-steps", "2", "--no-progress"],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli(["train", "--data-dir", str(d), "--max-steps", "2", "--no-progress"],
+                    timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
     assert proc.stderr.startswith(f"gradsync: error: {d / name}: truncated or damaged gzip file"), proc.stderr
@@ -117,9 +118,9 @@ def test_config_validation(kwargs, name):
 @pytest.mark.skipif(not os.path.exists("/usr/lib/bible.data"), reason="bible-kjv-text not installed")
 def test_kjv_lstm_trains_and_reports_bits_per_char(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run(CLI + ["train", "--workload", "kjv-lstm", "--algorithm", "topk", "--density", "0.1",
-                                 "--max-steps", "8", "--no-progress", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(["train", "--workload", "kjv-lstm", "--algorithm", "topk", "--density", "0.1",
+                    "--max-steps", "8", "--no-progress", "--out", str(out)],
+                    timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((out / "metrics.json").read_text())["summary"]
     assert "validation bits per character" in proc.stdout
@@ -131,12 +132,12 @@ def test_kjv_lstm_trains_and_reports_bits_per_char(tmp_path):
 def test_resume_from_checkpoint_continues_exactly(tmp_path, algorithm):
     common = ["train", "--algorithm", algorithm, *(["--ratio", "2"] if algorithm == "covap" else []), "--epochs", "2",
               "--train-samples", "640", "--eval-samples", "1000", "--no-progress"]
-    full = subprocess.run(CLI + common + ["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "a")],
-                          capture_output=True, text=True, timeout=300)
+    full = run_cli(common + ["--checkpoint", str(tmp_path / "ck"), "--out", str(tmp_path / "a")],
+                          timeout=300)
     assert full.returncode == 0, full.stderr[-3000:]
     assert (tmp_path / "ck" / "epoch1" / "rank1.pt").is_file()
-    resumed = subprocess.run(CLI + common + ["--resume", str(tmp_path / "ck" / "epoch1"), "--out", str(tmp_path / "b")],
-                             capture_output=True, text=True, timeout=300)
+    resumed = run_cli(common + ["--resume", str(tmp_path / "ck" / "epoch1"), "--out", str(tmp_path / "b")],
+                             timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = json.loads((tmp_path / "a" / "metrics.json").read_text())
     b = json.loads((tmp_path / "b" / "metrics.json").read_text())
@@ -147,8 +148,8 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, algorithm):
 
 
 def test_resume_with_missing_checkpoint_is_a_clear_error(tmp_path):
-    proc = subprocess.run(CLI + ["train", "--max-steps", "2", "--no-progress", "--resume", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    proc = run_cli(["train", "--max-steps", "2", "--no-progress", "--resume", str(tmp_path)],
+                    timeout=120)
     assert proc.returncode != 0
     assert ".pt not found (resume needs one rank*.pt per rank" in proc.stderr
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gradsync.workloads import fashion_mnist
+from cli_runner import run_cli
 
 pytestmark = pytest.mark.skipif(
     not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
@@ -72,9 +73,9 @@ def test_sigkill_of_one_rank_gives_one_message_and_the_resume_command(tmp_path):
 
 def _train(tmp_path, name, algorithm, *extra):
     out = tmp_path / name
-    proc = subprocess.run(CLI + ["--algorithm", algorithm, *(["--ratio", "2"] if algorithm == "covap" else []), "--train-samples", "1280",
-                                 "--max-steps", "6", "--eval-samples", "1000", "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=400, check=False)
+    proc = run_cli(["train", "--no-progress", "--algorithm", algorithm, *(["--ratio", "2"] if algorithm == "covap" else []),
+                    "--train-samples", "1280", "--max-steps", "6", "--eval-samples", "1000", "--out", str(out), *extra],
+                    timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text()), proc
 
@@ -133,9 +134,8 @@ def test_a_longer_run_continues_a_finished_one_with_the_schedule_over_the_new_le
         want.append(sched.get_last_lr()[0])
     assert [i["lr"] for i in longer["iterations"][4:]] == pytest.approx(want[4:], rel=1e-12)
     assert longer["summary"]["steps"] == 8
-    at_end = subprocess.run(CLI + ["--algorithm", "covap", "--ratio", "2", "--train-samples", "1280",
-                                   "--max-steps", "4", "--resume", str(ck / "step4")],
-                            capture_output=True, text=True, timeout=400, check=False)
+    at_end = run_cli(["train", "--no-progress", "--algorithm", "covap", "--ratio", "2", "--train-samples", "1280",
+                      "--max-steps", "4", "--resume", str(ck / "step4")], timeout=400)
     assert at_end.returncode == 1
     assert ("the checkpoint is at step 4, and this run ends at step 4 (--max-steps/--epochs): nothing left "
             "to train") in at_end.stderr, at_end.stderr

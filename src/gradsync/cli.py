@@ -140,7 +140,8 @@ def _train(args: argparse.Namespace) -> int:
     from .options import values_from_args
     from .report import print_summary, write_outputs
     from .train.config import TrainConfig
-    from .train.launcher import launch, limit_launcher_threads, network_label
+    from .launch import limit_launcher_threads
+    from .train.launcher import launch, network_label
     from .workloads import get_workload, load_data
 
     workers, hosts, rates = _train_network(args)
@@ -266,6 +267,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench.launch import RankError, run_ranks
     from .bench.report import print_accuracy_table, print_table, write_outputs
     from .cluster import BandwidthSchedule
+    from .launch import limit_launcher_threads
     from .options import values_from_args
 
     rates = _rates(args, args.hosts)
@@ -284,6 +286,7 @@ def _bench(args: argparse.Namespace) -> int:
         schedule = None
         if args.bandwidth_schedule:
             schedule = BandwidthSchedule(cluster, BandwidthSchedule.parse(args.bandwidth_schedule)).start()
+        limit_launcher_threads()
         try:
             result = run_ranks(cfg, cluster)
         except RankError as exc:

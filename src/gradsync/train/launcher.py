@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..launch import LocalRanks, RankFailure, run_module_ranks
+from ..launch import LocalRanks, RankFailure, local_start_method, run_module_ranks
 from .config import TrainConfig
 
 
@@ -145,8 +145,8 @@ def resume_command(argv: Sequence[str] | None, checkpoint: str) -> str:
 def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run training on every rank and return rank 0's results (``None`` on other torchrun ranks).
 
-    Local ranks are started with ``spawn`` (safe with CUDA and OpenMP state in the parent) by
-    :class:`gradsync.launch.LocalRanks`.
+    Local ranks are forked, or spawned where CUDA is available
+    (:func:`gradsync.launch.local_start_method`), by :class:`gradsync.launch.LocalRanks`.
 
     Raises:
         TrainingFailed: when a local rank fails (exception, exit code or signal); the other ranks
@@ -161,19 +161,6 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
             return ranks.join()[0]
         except RankFailure as exc:
             raise TrainingFailed(exc, cfg.checkpoint) from None
-
-
-def limit_launcher_threads() -> None:
-    """The launching process runs its own torch code (the data check) on one thread, so no OpenMP
-    thread pool exists when :func:`local_start_method` forks the ranks."""
-    torch.set_num_threads(1)
-
-
-def local_start_method() -> str:
-    """How local ranks start: ``fork`` (4-5 s faster per run than ``spawn`` here: the ranks neither
-    re-import torch nor re-run the launcher's imports) where CUDA is absent; ``spawn`` where it is
-    available, since a CUDA runtime initialised in the launcher does not survive a fork."""
-    return "spawn" if torch.cuda.is_available() else "fork"
 
 
 def network_label(cfg: TrainConfig) -> str:
