@@ -33,6 +33,7 @@ def test_mkdocs_build_strict_has_no_warning(tmp_path):
     api = (tmp_path / "site" / "api" / "algorithms" / "index.html").read_text()
     for name in ("gradsync.algorithms.build_hook", "gradsync.algorithms.covap.CovapState", "gradsync.algorithms.dear"):
         assert f'id="{name}"' in api, name
+    assert ":class:" not in api and ":func:" not in api, "Sphinx roles left verbatim (docs/sphinx_roles.py)"
     assert 'id="gradsync.integrations.lightning.GradsyncHook"' in (
         tmp_path / "site" / "api" / "integrations" / "index.html").read_text()
 
@@ -42,7 +43,8 @@ def test_broken_reference_fails_the_strict_build(tmp_path):
     have: the strict build must fail, so a broken reference in docs/ fails the suite."""
     config = (ROOT / "mkdocs.yml").read_text()
     config = re.sub(r"(?ms)^nav:.*", "", config).replace("docs_dir: docs", "docs_dir: pages")
-    config = config.replace("paths: [src]", f"paths: [{ROOT / 'src'}]")
+    config = config.replace("paths: [src]", f"paths: [{ROOT / 'src'}]").replace("docs/sphinx_roles.py",
+                                                                            str(ROOT / "docs" / "sphinx_roles.py"))
     (tmp_path / "mkdocs.yml").write_text(config)
     (tmp_path / "pages").mkdir()
     (tmp_path / "pages" / "index.md").write_text("# x\n\nSee [`nothing`][gradsync.algorithms.no_such_name].\n")
