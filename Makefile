@@ -43,7 +43,7 @@ test: setup
 
 # The documentation site (docs/, mkdocs.yml; API reference from the docstrings) into site/; --strict makes a
 # broken link or reference fail (tests/test_docs.py runs the same build).
-docs: setup
+docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
