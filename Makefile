@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.gradsync-installed
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 KJV    := /usr/lib/bible.data
 
-.PHONY: setup data demo reproduce test clean
+.PHONY: setup data demo reproduce test docs clean
 
 setup: $(STAMP) data
 
@@ -34,12 +34,17 @@ DEMO_ARGS ?= --hosts 2 --bandwidth 5 --algorithms allreduce,fp16,covap:ratio=2:c
 demo: setup
 	$(VENV)/bin/gradsync bench $(DEMO_ARGS) --table accuracy --out runs/demo
 
-# Regenerate every results table of the README (raw JSON beside each table) under results/.
+# Regenerate every results table of docs/results.md (raw JSON beside each table) under results/.
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --out results
 
 test: setup
 	$(VENV)/bin/python -m pytest -q tests --durations=15
 
+# The documentation site (docs/, mkdocs.yml; API reference from the docstrings) into site/; --strict makes a
+# broken link or reference fail (tests/test_docs.py runs the same build).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) runs results build *.egg-info
+	rm -rf $(VENV) runs results build site *.egg-info

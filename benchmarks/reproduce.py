@@ -1,4 +1,4 @@
-"""Regenerate every results table of the README from scratch: one named experiment per table.
+"""Regenerate every results table of docs/results.md from scratch: one named experiment per table.
 
 Usage:
     PYTHONPATH=src python benchmarks/reproduce.py --list
@@ -8,14 +8,14 @@ Usage:
 Each experiment runs its commands (``gradsync train`` / ``gradsync bench`` / a script in
 ``benchmarks/``) with ``--out`` under ``OUT/NAME/``, so the raw JSON (``metrics.json`` per training
 run, ``bench.json`` per benchmark, the scripts' own JSON) lies next to the generated markdown table
-``OUT/NAME/NAME.md``; ``OUT/NAME/commands.txt`` lists the exact commands. Every figure in the README's
-results section traces to one experiment here (its README heading is in ``--list``).
+``OUT/NAME/NAME.md``; ``OUT/NAME/commands.txt`` lists the exact commands. Every figure in
+docs/results.md traces to one experiment here (its heading there is in ``--list``).
 
 ``--dry-run`` prints the commands without running them. ``--quick`` shrinks every run to a few steps
 (a smoke test of the pipeline, used by the test suite; its numbers mean nothing). Experiments marked
 "root" build an emulated cluster (network namespaces + tc); without root ``gradsync bench`` falls back
 to loopback and the table is labelled "NOT shaped". Timings depend on the machine and its load: the
-README's were taken on a shared 2-core machine.
+ones in docs/results.md were taken on a shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Run:
 @dataclass
 class Experiment:
     name: str
-    readme: str  # the README paragraph or table it regenerates
+    readme: str  # the docs/results.md paragraph or table it regenerates
     runs: list[Run]
     table: Callable[[Path, list[Run]], str]
     root: bool = False
@@ -301,7 +301,7 @@ def run_experiment(exp: Experiment, out: Path, quick: bool = False, dry_run: boo
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--list", action="store_true", help="list the experiments and the README text each regenerates")
+    ap.add_argument("--list", action="store_true", help="list the experiments and the docs/results.md text each regenerates")
     ap.add_argument("--only", default=None, help="comma-separated experiment names (default: all)")
     ap.add_argument("--out", default="results", help="directory for the tables and raw JSON")
     ap.add_argument("--dry-run", action="store_true", help="print the commands without running them")
