@@ -55,7 +55,8 @@ def test_a_measured_cost_changes_the_pick():
     assert bare.choice.entry == "fp16" and k3.iteration_s < bare.choice.iteration_s and not k3.measured
     assert "COVAP" in bare.reason or "top-k" in bare.reason  # the faster unmeasured setting is named
     # K=3 measured at no extra steps: picked; at 4x the steps: fp16 again
-    assert advise(PROFILE, 2, 20, costs=(_cost("covap:ratio=3:cast=fp16", 200),)).choice.entry == "covap:ratio=3:cast=fp16"
+    k3_free = advise(PROFILE, 2, 20, costs=(_cost("covap:ratio=3:cast=fp16", 200),))
+    assert k3_free.choice.entry == "covap:ratio=3:cast=fp16"
     assert advise(PROFILE, 2, 20, costs=(_cost("covap:ratio=3:cast=fp16", 800),)).choice.entry == "fp16"
 
 
@@ -109,12 +110,13 @@ def test_module_function_model(tmp_path, monkeypatch):
 def test_cli_fashion_mnist(tmp_path, capsys):
     out = tmp_path / "doctor.json"
     assert main(["doctor", "--model", "fashion-mnist", "--batch-size", "8", "--iterations", "1",
-                 "--bandwidth", "10", "--world-size", "2", "--json", str(out)]) == 0
+                 "--bandwidth", "10", "--world-size", "2", "--compute-scale", "0.5", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Recommendation:" in text and "Why: CCR" in text and "gradsync train --algorithm" in text
     d = json.loads(out.read_text())
     assert {"profile", "ccr", "dense_allreduce_s", "predictions", "choice", "reason", "notes", "command",
             "bucket_cap_mb"} <= set(d)
+    assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
     assert d["ccr"] > 0 and d["choice"]["entry"] in ENTRIES and len(d["predictions"]) == len(ENTRIES)
     assert len(d["profile"]["buckets"]) >= 4  # --bucket-cap-mb auto: enough buckets to overlap
     assert d["command"] == train_command(d["choice"]["entry"], d["bucket_cap_mb"])

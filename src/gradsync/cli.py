@@ -1,4 +1,5 @@
-"""The ``gradsync`` command line: ``train``, ``bench``, ``profile``, ``doctor``, ``simulate`` (see ``gradsync CMD --help``)."""
+"""The ``gradsync`` command line: ``train``, ``bench``, ``profile``, ``doctor``, ``simulate``
+(see ``gradsync CMD --help``)."""
 
 from __future__ import annotations
 
@@ -405,6 +406,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth", type=float, required=True, help="link rate of each rank in Mbit/s (> 0)")
     p.add_argument("--world-size", type=int, required=True, help="ranks of the training job (>= 2)")
     p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
+    p.add_argument("--compute-scale", type=float, default=1.0,
+                   help="multiply the measured (CPU) compute times, e.g. 0.02 for GPUs 50x faster than this CPU")
     p.add_argument("--json", default=None, help="also write the profile, every prediction and the advice here")
     p.set_defaults(func=_doctor)
 
@@ -423,13 +426,15 @@ def _doctor(args: argparse.Namespace) -> int:
     check_float("--bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
     check_int("--world-size", args.world_size, 2)
     check_float("--latency-us", args.latency_us, 0.0, 1e7)
-    prof = _measure_profile(args)
+    scale = check_float("--compute-scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
+    prof = _measure_profile(args).scale_compute(scale)
     advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
+    measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
                          f"{args.bandwidth:g} Mbit/s"),
-                  caption=(f"measured here: forward {prof.forward_s * 1e3:.1f} ms, backward {prof.backward_s * 1e3:.1f} ms, "
-                           f"{len(prof.buckets)} buckets, {prof.total_bytes / 1e6:.2f} MB of gradients; modelled dense "
+                  caption=(f"{measured}: forward {prof.forward_s * 1e3:.1f} ms, backward "
+                           f"{prof.backward_s * 1e3:.1f} ms, {len(prof.buckets)} buckets, {prof.total_bytes / 1e6:.2f} MB of gradients; modelled dense "
                            f"all-reduce {advice.dense_allreduce_s * 1e3:.1f} ms: CCR {advice.ccr:.2f}"))
     for col, justify in (("setting", "left"), ("predicted ms/iter", "right"), ("speed-up vs DDP", "right"),
                          ("accuracy cost (measured)", "left"), ("to quality vs DDP", "right")):
@@ -446,7 +451,7 @@ def _doctor(args: argparse.Namespace) -> int:
     for note in advice.notes:
         console.print(f"note: {note}", highlight=False)
     if args.json:
-        out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads,
+        out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
                "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
                "command": command}
         with open(args.json, "w", encoding="utf-8") as fh:

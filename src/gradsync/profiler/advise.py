@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,7 +121,7 @@ class Advice:
     notes: tuple[str, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (predictions as dicts, ``choice`` by its entry and as a dict)."""
+        """JSON-ready dict (predictions and choice as dicts) with ``dense_allreduce_source``."""
         d = dataclasses.asdict(self)
         d["dense_allreduce_source"] = "modelled: ring all-reduce, alpha-beta (gradsync.sim.costmodel)"
         return d
@@ -139,14 +139,15 @@ def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost]) -> tuple[f
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
     row = _cost_row(entry, world_size, costs)
     if row is not None:
-        return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to {row.target}, "
-                                 f"{row.seeds} seed{'s' if row.seeds > 1 else ''}, {row.world_size} ranks)"), row.source
+        seeds = f"{row.seeds} seed{'s' if row.seeds > 1 else ''}"
+        return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to "
+                                 f"{row.target}, {seeds}, {row.world_size} ranks)"), row.source
     if entry in CASTS:
         return 0.0, "0 assumed (16-bit cast, not measured)", None
     return None, "not measured", None
 
 
-def advise(profile: Profile | Any, world_size: int, bandwidth_mbit: float,
+def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
            costs: Sequence[AccuracyCost] = MEASURED_COSTS, latency_s: float = 0.0,
            overlap_efficiency: float = 1.0) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
@@ -186,13 +187,13 @@ def advise(profile: Profile | Any, world_size: int, bandwidth_mbit: float,
     ranked = sorted(rows, key=lambda r: (not r.measured, r.time_to_quality_s if r.measured else r.iteration_s,
                                          order[r.entry]))
     ddp = next(r for r in ranked if r.entry == "allreduce")
-    best = ranked[0]
+    best = next(r for r in ranked if r.measured and r is not ddp)  # the casts always are
     gain = ddp.time_to_quality_s / best.time_to_quality_s
     if ccr < LOW_CCR:
         choice = ddp
         reason = (f"CCR {ccr:.2f} < {LOW_CCR}: a dense all-reduce takes under half the backward pass and DDP "
                   f"overlaps it with backward; use plain DDP (allreduce): compression would only add work.")
-    elif best is ddp or gain < MIN_GAIN:
+    elif gain < MIN_GAIN:
         choice = ddp
         reason = (f"CCR {ccr:.2f}: the best measured alternative, {best.label}, is predicted only {gain:.2f}x "
                   f"faster to the same quality, within the simulator's ~10 % error; use plain DDP (allreduce).")
@@ -215,6 +216,7 @@ def _notes(prof: Profile) -> list[str]:
              "compute times are this machine's.",
              "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not modelled: "
              "predicted speed-ups of compressed settings are upper bounds.",
+             "PowerSGD is replayed on one bucket, ready at the end of backward, as gradsync runs torch's hook.",
              "Measured accuracy costs come from fashion-mnist/resnet8 to 80 % test accuracy (README Results); "
              "other models may need more or fewer extra steps."]
     warning = bucket_overlap_warning([b.numel for b in prof.buckets], prof.dtype_bytes)
