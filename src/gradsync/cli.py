@@ -1,4 +1,5 @@
-"""The ``gradsync`` command line: ``train``, ``bench``, ``profile``, ``simulate`` (see ``gradsync CMD --help``)."""
+"""The ``gradsync`` command line: ``train``, ``bench``, ``profile``, ``doctor``, ``simulate``
+(see ``gradsync CMD --help``)."""
 
 from __future__ import annotations
 
@@ -304,20 +305,56 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bucket_cap(text: str) -> float | str:
+    """``--bucket-cap-mb``: MB, or ``auto`` (:func:`gradsync.profiler.ccr.suggested_bucket_cap_mb`)."""
+    return text if text == "auto" else float(text)
+
+
+def _add_model_arguments(p: argparse.ArgumentParser, batch_size: int, bucket_cap_mb: float | str) -> None:
+    """The measured model's flags, shared by ``profile`` and ``doctor`` (:func:`_measure_profile`)."""
+    p.add_argument("--model", default="fashion-mnist",
+                   help="a training workload (fashion-mnist, fashion-mnist:resnet18, kjv-lstm, ...: its model on "
+                        "real batches), a torchvision model at ImageNet size (resnet18, resnet50, ...: random "
+                        "3x224x224 images), or module:function (function() returns the nn.Module; the module "
+                        "defines make_batch(batch_size) -> (inputs, targets) and optionally loss_fn)")
+    p.add_argument("--batch-size", type=int, default=batch_size)
+    p.add_argument("--bucket-cap-mb", type=_bucket_cap, default=bucket_cap_mb,
+                   help="DDP bucket size (MB); auto: gradient size / 16, at least 8 buckets")
+    p.add_argument("--iterations", type=int, default=3, help="measured iterations (medians)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--data-dir", default=None)
+
+
+def _measure_profile(args: argparse.Namespace):
+    """Record the profile of ``args.model`` on this machine (one process,
+    :func:`gradsync.profiler.profile.record_profile`).
+
+    Raises:
+        ValueError: naming batch_size, threads, bucket_cap_mb or model.
+    """
+    import torch
+
+    from .profiler.ccr import resolve_bucket_cap_mb
+    from .profiler.profile import model_for_profile, record_profile
+    from .validation import check_int
+
+    check_int("batch_size", args.batch_size, 1)
+    check_int("threads", args.threads, 1)
+    torch.set_num_threads(args.threads)
+    model, make_batch, loss_fn = model_for_profile(args.model, args.batch_size, args.data_dir)
+    return record_profile(model, make_batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
+                          args.model, args.batch_size, resolve_bucket_cap_mb(args.bucket_cap_mb, model),
+                          args.iterations)
+
+
 def _add_profile(sub: argparse._SubParsersAction) -> None:
     from .algorithms import REGISTRY
 
     p = sub.add_parser("profile", help="per-bucket sizes and backward ready times, CCR, optional trace",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="fashion-mnist",
-                   help="a training workload (its model on real batches) or 'resnet50' (3x224x224)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--bucket-cap-mb", type=float, default=0.1, help="DDP bucket size (MB)")
-    p.add_argument("--iterations", type=int, default=3, help="measured iterations (medians)")
-    p.add_argument("--threads", type=int, default=1)
+    _add_model_arguments(p, batch_size=64, bucket_cap_mb=0.1)
     p.add_argument("--bandwidth", type=float, default=1000.0, help="Mbit/s for the CCR estimate")
     p.add_argument("--world-size", type=int, default=2, help="world size for the CCR estimate")
-    p.add_argument("--data-dir", default=None)
     p.add_argument("--out", default="profile.json", help="profile JSON (input of gradsync simulate)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace of one iteration per rank here")
     p.add_argument("--algorithm", default="allreduce", choices=sorted(n for n, a in REGISTRY.items() if a.make_hook),
@@ -328,22 +365,15 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-
-    import torch
     from rich.console import Console
     from rich.table import Table
 
-    from .profiler.profile import ccr_at, model_for_profile, record_profile
+    from .profiler.profile import ccr_at
     from .validation import check_float, check_int
 
-    check_int("batch_size", args.batch_size, 1)
-    check_int("threads", args.threads, 1)
     check_int("world_size", args.world_size, 1)
     check_float("bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
-    torch.set_num_threads(args.threads)
-    model, make_batch, loss_fn = model_for_profile(args.model, args.batch_size, args.data_dir)
-    prof = record_profile(model, make_batch, loss_fn, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-                          args.model, args.batch_size, args.bucket_cap_mb, args.iterations)
+    prof = _measure_profile(args)
     ccr = ccr_at(prof, args.world_size, args.bandwidth)
     prof = prof.with_meta(ccr={"world_size": args.world_size, "bandwidth_mbit": args.bandwidth,
                                "dense_allreduce_ccr": ccr})
@@ -366,9 +396,70 @@ def _profile(args: argparse.Namespace) -> int:
 
         options = {"ratio": args.ratio} if "ratio" in get(args.algorithm).options.keys() else {}
         path = run_trace(args.trace, args.algorithm, args.model, workers=args.workers,
-                         batch_size=args.batch_size, bucket_cap_mb=args.bucket_cap_mb, threads=args.threads,
+                         batch_size=args.batch_size, bucket_cap_mb=prof.meta["bucket_cap_mb"], threads=args.threads,
                          data_dir=args.data_dir, **options)
         print(f"wrote {path} (open in chrome://tracing or ui.perfetto.dev)")
+    return 0
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="which algorithm and options to use on a network, and why",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_arguments(p, batch_size=32, bucket_cap_mb="auto")
+    p.add_argument("--bandwidth", type=float, required=True, help="link rate of each rank in Mbit/s (> 0)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks of the training job (>= 2)")
+    p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
+    p.add_argument("--compute-scale", type=float, default=1.0,
+                   help="multiply the measured (CPU) compute times, e.g. 0.02 for GPUs 50x faster than this CPU")
+    p.add_argument("--json", default=None, help="also write the profile, every prediction and the advice here")
+    p.set_defaults(func=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """Measure the model here, simulate every candidate on the given network and recommend one
+    (:func:`gradsync.profiler.advise.advise`)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .profiler.advise import advise, train_command
+    from .validation import check_float, check_int
+
+    check_float("--bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
+    check_int("--world-size", args.world_size, 2)
+    check_float("--latency-us", args.latency_us, 0.0, 1e7)
+    scale = check_float("--compute-scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
+    prof = _measure_profile(args).scale_compute(scale)
+    advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
+    command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
+    measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
+    table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
+                         f"{args.bandwidth:g} Mbit/s"),
+                  caption=(f"{measured}: forward {prof.forward_s * 1e3:.1f} ms, backward "
+                           f"{prof.backward_s * 1e3:.1f} ms, {len(prof.buckets)} buckets, {prof.total_bytes / 1e6:.2f} MB of gradients; modelled dense "
+                           f"all-reduce {advice.dense_allreduce_s * 1e3:.1f} ms: CCR {advice.ccr:.2f}"))
+    for col, justify in (("setting", "left"), ("predicted ms/iter", "right"), ("speed-up vs DDP", "right"),
+                         ("accuracy cost (measured)", "left"), ("to quality vs DDP", "right")):
+        table.add_column(col, justify=justify)
+    ddp = next(r for r in advice.predictions if r.entry == "allreduce")
+    for r in advice.predictions:
+        ttq = f"{ddp.time_to_quality_s / r.time_to_quality_s:.2f}x" if r.measured else "?"
+        table.add_row(("-> " if r is advice.choice else "") + r.entry, f"{r.iteration_s * 1e3:.1f}",
+                      f"{r.speedup:.2f}x", r.cost, ttq, style="bold" if r is advice.choice else None)
+    console = Console(width=140)
+    console.print(table)
+    console.print(f"[bold]Recommendation:[/bold] {advice.choice.label}: {command}")
+    console.print(f"[bold]Why:[/bold] {advice.reason}", highlight=False)
+    for note in advice.notes:
+        console.print(f"note: {note}", highlight=False)
+    if args.json:
+        out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
+               "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
+               "command": command}
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -436,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_bench(sub)
     _add_profile(sub)
+    _add_doctor(sub)
     _add_simulate(sub)
     return parser
 

@@ -115,22 +115,34 @@ def record_profile(
 
 
 def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
-    """``(model, make_batch, loss_fn)`` for a profile target: a training workload name, optionally with
-    a model (``fashion-mnist:resnet18``; its model on real batches), or ``resnet50`` (torchvision's
-    ResNet-50 on random 3x224x224 images, 1000 classes).
+    """``(model, make_batch, loss_fn)`` for a profile target; ``make_batch()`` returns one batch
+    ``(inputs, targets)`` of ``batch_size`` samples. ``name`` is one of:
+
+    * a training workload, optionally with a model (``fashion-mnist``, ``fashion-mnist:resnet18``):
+      its model on real batches, ``F.cross_entropy``;
+    * ``module:function`` (``module`` not a workload name): ``function()`` from the importable
+      ``module`` (the current directory is searched too) returns the ``nn.Module``; the module
+      defines ``make_batch(batch_size) -> (inputs, targets)`` and optionally
+      ``loss_fn(output, targets) -> scalar tensor`` (default ``F.cross_entropy``);
+    * a torchvision classification model (``resnet18``, ``resnet50``, ...): random 3x224x224
+      images, 1000 classes (:func:`gradsync.workloads.vision.imagenet_profile_target`).
 
     Raises:
-        ValueError: for an unknown name.
+        ValueError: for an unknown name, a ``module:function`` that cannot be imported or found, a
+            function that returns no ``nn.Module``, or a module without ``make_batch``.
+        ImportError: for a torchvision model without the ``vision`` extra.
     """
     import torch.nn.functional as F
 
-    if name == "resnet50":
+    from ..workloads import WORKLOADS, get_workload
+
+    workload, colon, model = name.partition(":")
+    if workload not in WORKLOADS:
+        if colon:
+            return _user_model(workload, model, batch_size)
         from ..workloads.vision import imagenet_profile_target
 
-        return imagenet_profile_target("resnet50", batch_size)
-    from ..workloads import get_workload
-
-    workload, _, model = name.partition(":")
+        return imagenet_profile_target(name, batch_size)
     w = get_workload(workload, model or None)
     x, y, _, _ = w.load(data_dir)
     g = torch.Generator().manual_seed(0)
@@ -141,6 +153,34 @@ def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
 
     torch.manual_seed(0)
     return w.make_model(), make_batch, F.cross_entropy
+
+
+def _user_model(module_name: str, function: str, batch_size: int):
+    """``(model, make_batch, loss_fn)`` of a ``module:function`` spec (see :func:`model_for_profile`)."""
+    import importlib
+    import os
+    import sys
+
+    import torch.nn.functional as F
+
+    spec = f"{module_name}:{function}"
+    if os.getcwd() not in sys.path and "" not in sys.path:  # as "python -m" does: local modules import
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"model {spec!r}: cannot import {module_name!r} ({exc}); give a workload "
+                         f"(fashion-mnist[:MODEL], kjv-lstm, ...), a torchvision model or module:function") from None
+    build = getattr(module, function, None)
+    make = getattr(module, "make_batch", None)
+    if not callable(build) or not callable(make):
+        raise ValueError(f"model {spec!r}: {module_name} must define {function}() -> nn.Module and "
+                         f"make_batch(batch_size) -> (inputs, targets)")
+    torch.manual_seed(0)
+    model = build()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model {spec!r}: {function}() must return an nn.Module, got {type(model).__name__}")
+    return model, lambda: make(batch_size), getattr(module, "loss_fn", F.cross_entropy)
 
 
 def ccr_at(profile: Profile | Mapping[str, Any], world_size: int, bandwidth_mbit: float,
