@@ -225,14 +225,15 @@ def _accelerate_job(out: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 # Launch helpers and tests (pytest process)
 # ------------------------------------------------------------------------------------------------
-def _launch(job: str, out: Path, timeout: float = 240.0) -> list[dict]:
+def _launch(job: str, out: Path, timeout: float = 240.0, script: Path = HERE) -> list[dict]:
+    """Run ``script job out`` under ``torchrun --nproc-per-node 2``; read each rank's ``{job}_rank{r}.json``."""
     from gradsync.comm.rendezvous import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     src = HERE.parent.parent / "src"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE), job, str(out)]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), job, str(out)]
     proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
