@@ -395,6 +395,8 @@ EXAMPLES = HERE.parent.parent / "examples"
     ("torchrun", "torchrun_covap.py", ["--synthetic", "--steps", "12"], None),
     ("python", "lightning_covap.py", ["--synthetic", "--max-steps", "12"], "lightning"),
     ("accelerate", "accelerate_covap.py", ["--synthetic", "--steps", "24"], "accelerate"),
+    ("torchrun", "transformers_covap.py", ["--steps", "12", "--layers", "1", "--embd", "32", "--batch-size", "4",
+                                           "--seq-len", "32", "--save-steps", "100"], "transformers"),
 ])
 def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, script, args, needs):
     if needs:
