@@ -21,7 +21,7 @@ restored by the Trainer, hook state by the callback) repeats steps 7-10 of the u
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -103,19 +103,28 @@ def _job(out: Path) -> None:
     k4 = Probe("covap", ratio=K)
     result["k4"] = train("k4", k4, save=True)
     result["k4_stats"] = k4.stats()
-    resumed = Probe("covap", ratio=K)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result["resumed"] = train("k4", resumed, resume=str(out / "k4" / f"checkpoint-{SAVE_AT}"))
-    result["resume_warnings"] = [str(w.message) for w in caught if "GradsyncCallback" in str(w.message)]
-    result["resumed_seen"] = resumed.seen
-    result["resumed_stats"] = resumed.stats()
+    # resumed from the checkpoint, and from a copy of it without the hook state (a checkpoint written
+    # without the callback): that one warns and starts a fresh hook state
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.copytree(out / "k4" / f"checkpoint-{SAVE_AT}", out / "nohook" / f"checkpoint-{SAVE_AT}",
+                        ignore=shutil.ignore_patterns(HOOK_STATE_FILE))
+    dist.barrier()
+    for name in ("k4", "nohook"):
+        resumed = Probe("covap", ratio=K)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = train(name, resumed, resume=str(out / name / f"checkpoint-{SAVE_AT}"))
+        key = "resumed" if name == "k4" else "nohook"
+        result[key] = losses
+        result[key + "_warnings"] = [str(w.message) for w in caught if "GradsyncCallback" in str(w.message)]
+        result[key + "_seen"] = resumed.seen
+        result[key + "_stats"] = resumed.stats()
     try:
         train("bad", GradsyncCallback("covap", ratio=0))
     except ValueError as exc:
         result["bad_ratio"] = str(exc)
     result["hook_file"] = HOOK_STATE_FILE
-    rank = dist.get_rank()
     (out / f"trainer_rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
@@ -127,6 +136,10 @@ def _job(out: Path) -> None:
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     pytest.importorskip("transformers", reason="needs the integrations extra: pip install gradsync[integrations]")
+    from test_kjv import HAVE_KJV
+
+    if not HAVE_KJV:
+        pytest.skip("KJV text not installed (apt-get install bible-kjv-text)")
     out = tmp_path_factory.mktemp("trainer")
     return out, _launch("trainer", out, script=HERE)
 
@@ -167,7 +180,7 @@ def test_trainer_checkpoint_holds_and_resume_restores_every_ranks_hook_state(tra
         seen = ranks[rank]["resumed_seen"]
         assert seen["iteration"] == SAVE_AT
         assert seen["residuals"] == pytest.approx(sums[-1], rel=1e-12)
-        assert ranks[rank]["resume_warnings"] == []
+        assert ranks[rank]["resumed_warnings"] == []
     assert sums[0] != sums[1]      # per-rank residuals: both entries kept
 
 
@@ -176,6 +189,14 @@ def test_trainer_resumed_run_continues_the_losses(trainer_runs):
     for r in ranks:
         assert r["resumed"] == pytest.approx(r["k4"][SAVE_AT:], abs=1e-6, rel=0)
         assert r["resumed_stats"]["iteration"] == STEPS
+
+
+def test_trainer_resume_without_hook_state_warns_and_starts_fresh(trainer_runs):
+    _, ranks = trainer_runs
+    for r in ranks:
+        assert len(r["nohook_warnings"]) == 1 and "no gradsync hook state" in r["nohook_warnings"][0]
+        assert r["nohook_seen"]["iteration"] == 0 and set(r["nohook_seen"]["residuals"].values()) <= {0.0}
+        assert r["nohook_stats"]["iteration"] == STEPS - SAVE_AT
 
 
 def test_trainer_callback_refuses_bad_options_on_every_rank(trainer_runs):
