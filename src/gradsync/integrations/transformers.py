@@ -30,7 +30,8 @@ the callback reads that file from ``args.resume_from_checkpoint`` if it is set, 
 point), and every rank loads its own entry once the hook is registered. Callbacks are not told the
 path ``train`` was given, so a checkpoint outside ``output_dir`` needs
 ``TrainingArguments(resume_from_checkpoint=path)``; a resume that finds no hook state (e.g. from a
-checkpoint written without the callback) warns and starts with a fresh state. Resuming needs the same
+checkpoint written without the callback) warns and starts with a fresh state; the ranks agree on
+which (a hook state that only some ranks can read is a ``ValueError``). Resuming needs the same
 algorithm and world size (``ValueError`` otherwise).
 
 Gradient accumulation: the ``Trainer`` runs the non-final micro-batches under ``no_sync``; DDP calls
@@ -47,6 +48,7 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -89,8 +91,9 @@ class GradsyncCallback(TrainerCallback):
 
     Raises:
         ValueError: (at construction) for an unknown or DeAR algorithm; (in ``on_train_begin``) for
-            options out of range or an FSDP/DeepSpeed run; (at the first step of a resumed run) for
-            hook state of another algorithm or world size.
+            options out of range, an FSDP/DeepSpeed run, or a resumed run whose hook state only some
+            ranks found; (at the first step of a resumed run) for hook state of another algorithm or
+            world size.
         RuntimeError: (in ``on_step_end`` of the first step) if several processes run but no
             ``DistributedDataParallel`` ran the model's forward; from PyTorch, if the DDP model
             already has a communication hook (a second ``train()`` on the same ``Trainer``).
@@ -129,7 +132,7 @@ class GradsyncCallback(TrainerCallback):
         self.state, self._hook = build_state_and_hook(
             self.algorithm, process_group=self.process_group, model=self._model, **self.options)
         if state.global_step > 0:
-            self._pending = self._read_checkpoint(args, state.global_step)
+            self._pending = self._read_checkpoint(args, state.global_step, world)
         self._finder = register_module_forward_pre_hook(self._on_forward)
 
     def _on_forward(self, module: torch.nn.Module, inputs: Any) -> None:
@@ -175,17 +178,29 @@ class GradsyncCallback(TrainerCallback):
             os.makedirs(folder, exist_ok=True)
             torch.save({**payload, "global_step": state.global_step}, os.path.join(folder, HOOK_STATE_FILE))
 
-    def _read_checkpoint(self, args, global_step: int) -> dict[str, Any] | None:
-        tried = []
+    def _read_checkpoint(self, args, global_step: int, world: int) -> dict[str, Any] | None:
+        """The hook state of step ``global_step`` that every rank found, or ``None`` (with a warning)
+        where no rank found it; all ranks agree (one ``all_gather_object``), so they all load it or
+        all start fresh and send the same collectives."""
+        payload, tried = None, []
         for folder in (args.resume_from_checkpoint, os.path.join(args.output_dir, f"checkpoint-{global_step}")):
             if not isinstance(folder, str):
                 continue
             path = os.path.join(folder, HOOK_STATE_FILE)
             tried.append(path)
             if os.path.isfile(path):
-                payload = torch.load(path, map_location="cpu", weights_only=True)
-                if payload.get("global_step") == global_step:
-                    return payload
+                candidate = torch.load(path, map_location="cpu", weights_only=True)
+                if candidate.get("global_step") == global_step:
+                    payload = candidate
+                    break
+        found: list[Any] = [None] * world
+        dist.all_gather_object(found, payload is not None)
+        if all(found):
+            return payload
+        if any(found):
+            raise ValueError(f"GradsyncCallback: the gradsync hook state of global step {global_step} was found on "
+                             f"ranks {[r for r, f in enumerate(found) if f]} only (looked for {', '.join(tried)}); "
+                             "every rank must read the same checkpoint (a shared file system)")
         warnings.warn(f"GradsyncCallback: resumed at global step {global_step} but found no gradsync hook state of "
                       f"that step (looked for {', '.join(tried)}); the hook starts with a fresh state "
                       "(zero error-feedback residuals, dense warm-up)", stacklevel=3)
