@@ -225,14 +225,15 @@ def _accelerate_job(out: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 # Launch helpers and tests (pytest process)
 # ------------------------------------------------------------------------------------------------
-def _launch(job: str, out: Path, timeout: float = 240.0) -> list[dict]:
+def _launch(job: str, out: Path, timeout: float = 240.0, script: Path = HERE) -> list[dict]:
+    """Run ``script job out`` under ``torchrun --nproc-per-node 2``; read each rank's ``{job}_rank{r}.json``."""
     from gradsync.comm.rendezvous import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     src = HERE.parent.parent / "src"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(HERE), job, str(out)]
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), job, str(out)]
     proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -394,10 +395,17 @@ EXAMPLES = HERE.parent.parent / "examples"
     ("torchrun", "torchrun_covap.py", ["--synthetic", "--steps", "12"], None),
     ("python", "lightning_covap.py", ["--synthetic", "--max-steps", "12"], "lightning"),
     ("accelerate", "accelerate_covap.py", ["--synthetic", "--steps", "24"], "accelerate"),
+    ("torchrun", "transformers_covap.py", ["--steps", "12", "--layers", "1", "--embd", "32", "--batch-size", "4",
+                                           "--seq-len", "32", "--save-steps", "100"], "transformers"),
 ])
 def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, script, args, needs):
     if needs:
         pytest.importorskip(needs, reason="needs the integrations extra: pip install gradsync[integrations]")
+    if script == "transformers_covap.py":
+        from test_kjv import HAVE_KJV
+
+        if not HAVE_KJV:
+            pytest.skip("KJV text not installed (apt-get install bible-kjv-text)")
     from gradsync.comm.rendezvous import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

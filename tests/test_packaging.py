@@ -64,6 +64,7 @@ MISSING = textwrap.dedent("""
         "torchvision": ("vision", lambda: importlib.import_module("gradsync.workloads.vision").torchvision_models()),
         "fusion tuner": ("tune", lambda: importlib.import_module("gradsync.tuning.fusion").FusionTuner()),
         "lightning": ("integrations", lambda: importlib.import_module("gradsync.integrations.lightning")),
+        "transformers": ("integrations", lambda: importlib.import_module("gradsync.integrations.transformers")),
     }
     for what, (extra, call) in checks.items():
         try:
@@ -150,4 +151,4 @@ def test_wheel_installs_beside_existing_torch_with_core_dependencies_only(tmp_pa
     missing = subprocess.run([str(py), str(tmp_path / "missing.py")], env=env, capture_output=True, text=True,
                              timeout=240, cwd=tmp_path)
     assert missing.returncode == 0, missing.stdout + missing.stderr
-    assert missing.stdout.count("CLEAR") == 5, missing.stdout
+    assert missing.stdout.count("CLEAR") == 6, missing.stdout

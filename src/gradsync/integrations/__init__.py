@@ -6,6 +6,9 @@
 * :mod:`gradsync.integrations.accelerate`: :func:`~gradsync.integrations.accelerate.register_hook` for
   the model returned by ``accelerator.prepare`` and
   :class:`~gradsync.integrations.accelerate.HookCheckpoint` for ``accelerator.register_for_checkpointing``.
+* :mod:`gradsync.integrations.transformers`: :class:`~gradsync.integrations.transformers.GradsyncCallback`,
+  a Hugging Face ``TrainerCallback`` that registers the hook on the ``Trainer``'s DDP model and keeps
+  the hook state in its ``checkpoint-N/`` folders.
 
 Neither framework's own option registers a gradsync hook reliably: Lightning 2.6's
 ``DDPStrategy(ddp_comm_hook=...)`` registers it only when the root device is CUDA (nothing on CPU), and
@@ -47,14 +50,36 @@ def build_state_and_hook(algorithm: str, process_group: dist.ProcessGroup | None
     Raises:
         ValueError: for an unknown or DeAR ``algorithm``, or options out of range.
     """
-    from ..algorithms import build_hook, get
+    from ..algorithms import build_hook
+
+    check_hook_algorithm(algorithm)
+    return build_hook(algorithm, process_group=process_group, model=model, **options)
+
+
+def check_hook_algorithm(algorithm: str) -> None:
+    """Raise ``ValueError`` unless ``algorithm`` is a communication-hook algorithm of
+    :data:`gradsync.algorithms.REGISTRY` (unknown names and DeAR, which replaces DDP, are refused)."""
+    from ..algorithms import get
 
     if get(algorithm).make_hook is None:
         raise ValueError(
             f"algorithm must be a DDP communication-hook algorithm; {algorithm!r} replaces DDP: use "
             "gradsync.wrap(model, optimizer, algorithm) in a loop that owns the optimizer step "
             "(Lightning manual optimization, or a plain Accelerate loop without accelerator.prepare(model))")
-    return build_hook(algorithm, process_group=process_group, model=model, **options)
+
+
+def import_torchvision_first() -> None:
+    """Import torchvision through :func:`gradsync.workloads.vision.torchvision_models` where it is
+    installed, before a framework that imports it (torchmetrics under Lightning, Transformers' image
+    utilities) does: the CUDA-built torchvision wheel beside a CPU-only torch fails with
+    ``operator torchvision::nms does not exist`` unless its operator schemas are defined first.
+    Does nothing where torchvision is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        from ..workloads.vision import torchvision_models
+
+        torchvision_models()
 
 
 def find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
@@ -142,4 +167,4 @@ def load_hook_state(algorithm: str, state: Any, payload: dict[str, Any],
     state.load_state_dict(entry)
 
 
-__all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "find_ddp", "gather_hook_state", "load_hook_state"]
+__all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "import_torchvision_first", "gather_hook_state", "load_hook_state"]

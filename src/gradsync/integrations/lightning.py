@@ -31,20 +31,15 @@ removed when the fit ends (``teardown``), so fitting the same module again does 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from ..extras import require
-from ..workloads.vision import torchvision_models
+from . import build_state_and_hook, find_ddp, gather_hook_state, import_torchvision_first, load_hook_state
 
-if importlib.util.find_spec("torchvision") is not None:
-    torchvision_models()  # torchmetrics (imported by Lightning) imports torchvision; make it importable first
-
+import_torchvision_first()  # torchmetrics (imported by Lightning) imports torchvision
 pl = require("lightning.pytorch", "gradsync.integrations.lightning")
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
-
-from . import build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 
 
 class GradsyncHook(Callback):
