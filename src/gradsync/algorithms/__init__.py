@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from . import allreduce, compressed, covap, dear_covap, dear_options, gravac, oscar, powersgd
+from . import allreduce, compressed, covap, dear, gravac, oscar, powersgd
 from .allreduce import AllReduceState, FP16State, allreduce_hook, fp16_hook
 from .base import HookState
 from .compressed import CompressedState, compressed_hook
@@ -30,7 +30,7 @@ def register(spec: AlgorithmSpec) -> None:
 
 
 for _spec in (allreduce.ALLREDUCE, allreduce.FP16, covap.SPEC, powersgd.SPEC, *compressed.SPECS, gravac.SPEC,
-              *oscar.SPECS, dear_options.SPEC, dear_covap.SPEC):
+              *oscar.SPECS, *dear.SPECS):
     register(_spec)
 
 

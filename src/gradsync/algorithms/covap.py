@@ -36,7 +36,7 @@ so every rank selects the same elements and a plain all-reduce still works.
   have been there, so a resumed run continues the uninterrupted one.
 
 :class:`CovapFilter` (sharding, schedule, K and the residual memory) is the one object shared by the
-DDP hook here and DeAR's pipeline (:mod:`gradsync.algorithms.dear_covap`).
+DDP hook here and DeAR's pipeline (:mod:`gradsync.algorithms.dear.covap`).
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
