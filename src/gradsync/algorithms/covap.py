@@ -316,6 +316,7 @@ class CovapState(HookState):
         self.param_names = parameter_names(model) if model is not None else None
         self.layouts: dict[int, Any] = {}
         self._awaiting_rebuild = False
+        self._layout_iter: Optional[int] = None  # the iteration whose layout `layouts` holds
         self._param_index: Optional[dict[str, tuple[int, int]]] = None
         self.remapped_buckets = 0
 
@@ -435,6 +436,10 @@ class CovapState(HookState):
         """Elements per bucket of the recorded layout, in bucket order."""
         return [sum(_numels(self.layouts[i])) for i in range(len(self.layouts))]
 
+    def bucket_numels(self) -> Optional[list[int]]:
+        """:meth:`recorded_numels` once a layout was recorded, else ``None`` (DDP's buckets apply)."""
+        return list(self.recorded_numels()) if self.layouts else None
+
     def param_index(self) -> dict[str, tuple[int, int]]:
         """Parameter name -> (recorded bucket index, element offset in it), for named layouts."""
         if self._param_index is None:
@@ -551,7 +556,7 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
         state.step_boundary(buf)
         timer.bucket_ready(buf.numel(), buf.device)
     if t < state.start_iter:
-        if getattr(state, "_layout_iter", None) != t:  # keep only this iteration's layout (DDP may
+        if state._layout_iter != t:  # keep only this iteration's layout (DDP may
             state.layouts.clear()                      # rebuild into fewer buckets)
             state._param_index = None
             state._layout_iter = t

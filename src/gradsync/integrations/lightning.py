@@ -149,7 +149,7 @@ class GradsyncHook(Callback):
         """At the end of a fit (also one that failed): remove what the state hooked onto
         ``pl_module`` (COVAP's forward hook for its timing), so fitting the same module again adds
         no second hook. The state stays readable (``stats()``)."""
-        if stage == "fit" and self.state is not None and hasattr(self.state, "close"):
+        if stage == "fit" and self.state is not None:
             self.state.close()
 
     def stats(self) -> dict[str, Any]:

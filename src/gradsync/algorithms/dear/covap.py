@@ -24,12 +24,13 @@ import torch
 from ...compressors.covap_shards import MAX_RATIO
 from ...feedback.finite import FiniteGuard
 from ..covap import CovapFilter, cast_dtype
+from ..protocol import Algorithm
 from .backward import StridedShard
 
 log = logging.getLogger(__name__)
 
 
-class CovapGradFilter:
+class CovapGradFilter(Algorithm):
     """``grad_filter`` for :class:`~gradsync.algorithms.dear.DeAR` applying COVAP per fusion group.
 
     Args:

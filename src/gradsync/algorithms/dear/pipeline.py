@@ -21,6 +21,7 @@ from torch import nn
 from ...tuning.fusion import FusionTuner
 from ...validation import check_choice, check_float, check_int
 from ..base import counter_stats, init_counters
+from ..protocol import Algorithm
 from .amp import LossScaling, check_scaler, record_found_inf
 from .backward import GradFilter, ReduceScatterStage
 from .buffers import BufferSync, flatten
@@ -90,8 +91,10 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
             ``False`` to send nothing for this group this iteration (the group then gets a zero
             averaged gradient; the decision must be identical on every rank), or return a
             :class:`StridedShard` to communicate only ``flat[start::stride]`` (the size must be
-            identical on every rank). Its run time is added to ``compress_seconds``. If it has
-            ``state_dict()`` / ``load_state_dict()``, its state is saved and restored with DeAR's.
+            identical on every rank). Its run time is added to ``compress_seconds``. A filter that is
+            an :class:`~gradsync.algorithms.protocol.Algorithm` (e.g. ``CovapGradFilter``) has its
+            ``state_dict()`` saved and restored with DeAR's and its ``rollback()`` called on a
+            skipped step; a plain callable has no state.
         tune_trials, tune_window, tune_warmup: :class:`FusionTuner` settings for ``fusion_mb="auto"``
             (trials, iterations per trial, iterations ignored before the first trial).
         seed: seed of the tuner's optimiser.
@@ -180,6 +183,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self.grad_filter = grad_filter
+        #: the filter's state under the algorithm protocol (a plain callable has none)
+        self.filter_state = grad_filter if isinstance(grad_filter, Algorithm) else Algorithm()
         self.fusion_mb = float(fusion_mb)
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -339,8 +344,7 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         self.iteration += 1
         if skip:
             self.steps_skipped += 1
-            if hasattr(self.grad_filter, "rollback"):  # a skipped step changes no filter state (residuals)
-                self.grad_filter.rollback()
+            self.filter_state.rollback()  # a skipped step changes no filter state (residuals)
             self._drop_placeholders()
             for g in self._groups:
                 g.sel = g.c_in = g.c_shard = g.c_out = None
@@ -448,11 +452,9 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
 
     def state_dict(self) -> dict[str, Any]:
         """Flush, then return ``{"model", "optimizer", "dear"}`` (the optimizer's own state_dict, in
-        DDP's format; ``"dear"`` holds the iteration, the threshold, the tuner state and, when the
-        ``grad_filter`` has a ``state_dict()``, the filter's state, e.g. COVAP's error-feedback
-        residuals). The GradScaler's state is the caller's (``scaler.state_dict()``)."""
+        DDP's format; ``"dear"`` holds the iteration, the threshold, the tuner state and the
+        :attr:`filter_state`'s ``state_dict()``, e.g. COVAP's error-feedback residuals). The GradScaler's state is the caller's (``scaler.state_dict()``)."""
         self.flush()
-        filt = self.grad_filter
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -460,15 +462,15 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
                 "iteration": self.iteration,
                 "fusion_mb": self.fusion_mb,
                 "tuner": None if self._tuner is None else self._tuner.state_dict(),
-                "grad_filter": filt.state_dict() if hasattr(filt, "state_dict") else None,
+                "grad_filter": self.filter_state.state_dict(),
             },
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` on every rank, between iterations (after ``step()`` or
         before the first forward). A pending update is applied first and then overwritten; the groups
-        are rebuilt with the saved threshold; the ``grad_filter``'s state is restored when both the
-        saved state and the filter have one; with ``broadcast_buffers`` every rank then takes rank 0's
+        are rebuilt with the saved threshold; the :attr:`filter_state` is restored when the saved
+        state has one; with ``broadcast_buffers`` every rank then takes rank 0's
         loaded buffers (:meth:`sync_buffers`), as the next training forward would under DDP.
 
         Raises:
@@ -485,8 +487,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         if self._tuner is not None and d.get("tuner") is not None:
             self._tuner.load_state_dict(d["tuner"])
         self._build_groups(self.fusion_mb)
-        if d.get("grad_filter") is not None and hasattr(self.grad_filter, "load_state_dict"):
-            self.grad_filter.load_state_dict(d["grad_filter"])
+        if d.get("grad_filter"):  # None or {}: saved without filter state
+            self.filter_state.load_state_dict(d["grad_filter"])
         if self.broadcast_buffers:  # per-rank checkpoints hold each rank's own statistics
             self.sync_buffers()
 
