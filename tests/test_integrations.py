@@ -71,15 +71,14 @@ def _destroy_process_group() -> None:
 
 
 def _lightning_job(out: Path) -> None:
-    import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
-    import lightning.pytorch as L
+    from gradsync.integrations.lightning import GradsyncHook  # first: makes torchvision importable
+
+    import lightning.pytorch as L  # noqa: I001
     import torch
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
-
-    from gradsync.integrations.lightning import GradsyncHook
 
     torch.set_num_threads(1)
     x, y = _data(WORLD * BATCH * STEPS_PER_EPOCH)
@@ -455,13 +454,12 @@ def test_accelerate_register_hook_warns_and_returns_none_in_one_process():
 
 def test_lightning_hook_warns_and_registers_nothing_in_one_process(tmp_path):
     pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
-    import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
-    import lightning.pytorch as L
+    from gradsync.integrations.lightning import GradsyncHook  # first: makes torchvision importable
+
+    import lightning.pytorch as L  # noqa: I001
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
-
-    from gradsync.integrations.lightning import GradsyncHook
 
     class Net(L.LightningModule):
         def __init__(self):

@@ -271,7 +271,7 @@ class CovapState(HookState):
             dense start-up iterations.
         remapped_buckets: buckets compressed through the recorded layout after a restore, before
             DDP's bucket rebuild.
-        bucket_warning: the warning of :func:`~gradsync.profiler.ccr.bucket_overlap_warning` when the
+        bucket_warning: the warning of :func:`~gradsync.comm.buckets.bucket_overlap_warning` when the
             layout recorded at start-up has too few buckets to overlap with the backward pass (also
             logged once, on rank 0, and in :meth:`stats`), else ``None``.
         adapter: the :class:`~gradsync.algorithms.covap_adapt.RatioAdapter` (``None`` when K is fixed
@@ -411,7 +411,7 @@ class CovapState(HookState):
         """Once the start-up iterations have recorded DDP's layout: set :attr:`bucket_warning` (and
         log it on rank 0) when there are too few buckets for K (``auto`` before calibration: K = 1)
         to overlap with the backward pass. Returns the warning or ``None``."""
-        from ..profiler.ccr import bucket_overlap_warning
+        from ..comm.buckets import bucket_overlap_warning
 
         msg = bucket_overlap_warning(self.recorded_numels(), element_size, 1 if self.needs_ccr else self.ratio)
         if msg is not None and msg != self.bucket_warning and dist.get_rank(self.process_group) == 0:

@@ -229,7 +229,7 @@ class HookSynchroniser(_Common):
         """Elements per DDP bucket, in reduction order (after the rebuild): the layout the hook
         recorded when it keeps one (:meth:`Algorithm.bucket_numels`, COVAP), else DDP's rebuilt
         bucket sizes."""
-        from ..profiler.ccr import ddp_bucket_numels
+        from ..comm.buckets import ddp_bucket_numels
 
         recorded = self.state.bucket_numels()
         return recorded if recorded is not None else ddp_bucket_numels(self.wrapper)
