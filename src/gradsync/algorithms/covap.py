@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import dense_allreduce
+from ..compressors.cast import CASTS, cast_dtype
 from ..compressors.covap_shards import MAX_RATIO, CovapPlan, ratio_for_ccr
 from ..feedback.discounted import CovapDiscount, default_ramp
 from ..feedback.residual import ResidualMemory, _is_named, bucket_layout, parameter_names
@@ -60,28 +61,12 @@ from .spec import hook_algorithm
 
 log = logging.getLogger(__name__)
 
-#: ``cast`` values and the wire dtypes they select.
-CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-CASTS = tuple(CAST_DTYPES)
 #: ``adapt_every`` of ``ratio="auto"`` unless given (a fixed ratio defaults to 0, K fixed): one
 #: 4-number all-reduce every 20 steps.
 AUTO_ADAPT_EVERY = 20
 #: Timed iterations a self-calibrating ``auto`` state averages (median) before its first choice of K:
 #: iterations 1.. (iteration 0 runs before DDP's bucket rebuild and opens the connections).
 AUTO_CALIBRATION_STEPS = 3
-
-
-def cast_dtype(cast: Optional[str]) -> Optional[torch.dtype]:
-    """The wire dtype a ``cast`` option selects (``None``: no cast).
-
-    Raises:
-        ValueError: if ``cast`` is not one of fp16, bf16 or None.
-    """
-    if cast is None:
-        return None
-    if cast not in CAST_DTYPES:
-        raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
-    return CAST_DTYPES[cast]
 
 
 @dataclass(frozen=True)
@@ -212,7 +197,7 @@ class CovapFilter:
                 "ramp_steps": self.discount.ramp_steps, "max_ratio": self.max_ratio}
 
     def stats(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "covap_k": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
+        return {"covap_k": self.ratio, "shards": list(self.plan.shards) if self.plan else []}
 
     def state_dict(self) -> dict[str, Any]:
         return {"ratio": self.ratio, "auto": self.auto, "calibrated": self.calibrated,
@@ -357,7 +342,7 @@ class CovapState(HookState):
         return self.cast_dtype
 
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
+        return {"covap_k": self.filter.ratio}
 
     def _observed(self, step: int, timing: Optional[StepTiming]) -> Optional[StepTiming]:
         """Step ``step``'s timing as the adaptation window takes it, or ``None``: compressed steps

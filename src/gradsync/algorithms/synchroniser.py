@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ..compressors.cast import CAST_DTYPES
 from .protocol import Algorithm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -78,7 +79,7 @@ class Precision:
         Raises:
             ValueError: if ``amp`` is another string or ``clip_grad_norm`` is not positive.
         """
-        dtypes = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        dtypes = {"off": None, **CAST_DTYPES}
         if amp not in dtypes:
             raise ValueError(f"amp must be one of {', '.join(dtypes)}, got {amp!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:

@@ -242,8 +242,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     summary.update(workload.extra_metrics(summary["test_loss"], summary["test_accuracy"]))
     if ccr is not None:
         summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s)
-    if "ratio" in stats:
-        summary["ratio"] = stats["ratio"]
+    if "covap_k" in stats:
+        summary["ratio"] = stats["covap_k"]
     summary["bucket_cap_mb"] = bucket_cap_mb
     if bucket_warning is not None:
         summary["bucket_warning"] = bucket_warning

@@ -59,8 +59,7 @@ Differences from the reference code, all needed for "DeAR reproduces DDP + the s
 * Module buffers (BatchNorm statistics) take rank 0's values at the start of the training forward,
   as DDP's ``broadcast_buffers=True``, with one broadcast per iteration issued in ``step()``, before
   the all-gathers (buffers do not change between the end of backward and the next forward, and a
-  broadcast issued at the next forward would queue behind the all-gathers on the link: measured on 2
-  emulated hosts at 20 Mbit/s, 20-65 ms per iteration). A forward never issues a collective for the
+  broadcast issued at the next forward would queue behind the all-gathers on the link). A forward never issues a collective for the
   buffers, so forwards that only some ranks run between ``step()`` and the next training forward
   (logging, sampling, evaluation on rank 0) cannot desynchronise the ranks. The semantics: every
   training forward (grad enabled, root module in training mode) from ``step()`` until the next

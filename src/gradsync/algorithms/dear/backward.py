@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..base import count_bytes, count_dense
-from .guard import DeARGradPlaceholder, is_placeholder
 from .groups import FusionGroup
+from .guard import DeARGradPlaceholder, is_placeholder
 
 #: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
 GradFilter = Callable[[torch.Tensor, int, int], Any]

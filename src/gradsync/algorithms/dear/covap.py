@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
+from ...compressors.cast import cast_dtype
 from ...compressors.covap_shards import MAX_RATIO
 from ...feedback.finite import FiniteGuard
-from ..covap import CovapFilter, cast_dtype
+from ..covap import CovapFilter
 from ..protocol import Algorithm
 from .backward import StridedShard
 
@@ -83,7 +84,7 @@ class CovapGradFilter(Algorithm):
         self.filter.set_ratio(ratio)
 
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
+        return {"covap_k": self.filter.ratio}
 
     def config(self) -> dict[str, Any]:
         return {**{"covap_" + k if k == "ratio" else k: v for k, v in self.filter.config().items()},

@@ -79,8 +79,7 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         max_allgathers: all-gathers kept in flight during the next forward, >= 1, or ``"auto"``
             (default: 1 as DeAR - waiting for group ``k``'s all-gather launches group ``k + 1``'s -
             except on Gloo, where every group's all-gather is launched in ``step()`` so they run
-            back to back behind the forward; measured on 2 emulated hosts at 20 Mbit/s, 3 runs:
-            199-207 ms per iteration against 214-227 ms with 1, DDP 200-212 ms).
+            back to back behind the forward).
         grad_filter: optional compression filter called as ``grad_filter(flat, step, group)`` on each
             group before its reduce-scatter, where ``flat`` is the group's flat gradient (1-D view of
             ``numel`` elements, the parameters' dtype, parameter order; already multiplied by

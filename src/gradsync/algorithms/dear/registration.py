@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ...compressors.cast import CASTS
 from ...compressors.covap_shards import MAX_RATIO
 from ...options import Options, option
-from ..covap import CASTS
 from ..spec import wrapper_algorithm
 from .covap import CovapGradFilter
 from .groups import MAX_FUSION_MB
