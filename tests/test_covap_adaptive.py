@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distributed import run_ranks
 from small_mlp import backward_step, batch, flat_grad, make_model
 from gradsync.algorithms import BuildContext, CovapState, build, covap_hook, make_options
-from gradsync.algorithms.covap_adapt import CommTimer, RatioAdapter, StepTiming
+from gradsync.algorithms.covap.adapt import CommTimer, RatioAdapter, StepTiming
 from gradsync.comm.buckets import ddp_bucket_numels
 
 START = 2

@@ -9,9 +9,10 @@ written from the paper's description, not copied.
 The package: :mod:`.pipeline` (:class:`DeAR`: construction, ``step()``, public API) built from
 :mod:`.backward` (gradient hooks, reduce-scatter, ``grad_filter``), :mod:`.forward` (all-gather, lazy
 optimizer application), :mod:`.amp` (GradScaler, clipping), :mod:`.buffers` (module buffers),
-:mod:`.guard` (placeholder gradient, optimizer guard) and :mod:`.communicator` (process groups, ring
-or native reduce-scatter, ``max_allgathers``); :mod:`.groups` decides which parameters are fused
-into which group; :mod:`.covap` is dear-covap's filter; :mod:`.registration` registers both names.
+:mod:`.guard` (placeholder gradient, optimizer guard), :mod:`.communicator` (process groups, ring or
+native reduce-scatter, ``max_allgathers``) and :mod:`.timing` (wait timers); :mod:`.groups` decides
+which parameters are fused into which group; :mod:`.covap` is dear-covap's filter;
+:mod:`.registration` registers both names.
 
 How one iteration runs (world size ``P``):
 

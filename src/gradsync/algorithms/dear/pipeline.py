@@ -2,15 +2,12 @@
 iteration in :meth:`DeAR.step` and holds the public API; the stages it is made of live in
 :mod:`.backward` (reduce-scatter), :mod:`.forward` (all-gather and lazy update), :mod:`.amp`
 (loss scaling, clipping), :mod:`.buffers` (module buffers), :mod:`.guard` (placeholder gradient and
-optimizer guard) and :mod:`.communicator` (process groups, ring or native). Source and semantics:
-:mod:`gradsync.algorithms.dear`.
+optimizer guard), :mod:`.communicator` (process groups, ring or native) and :mod:`.timing` (wait
+timers). Source and semantics: :mod:`gradsync.algorithms.dear`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -29,12 +26,10 @@ from .communicator import ALL_ALLGATHERS, REDUCE_SCATTER_CHOICES, Communicator
 from .forward import AllGatherStage
 from .groups import MAX_FUSION_MB, FusionGroup, build_groups, trainable_modules
 from .guard import OptimizerGuard
-
-#: CUDA timing event pairs kept unread before ``step()`` waits for them
-MAX_TIMING_EVENTS = 4096
+from .timing import MAX_TIMING_EVENTS, WaitTimers
 
 
-class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, OptimizerGuard):
+class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, OptimizerGuard, WaitTimers):
     """Data-parallel training with DeAR's decoupled reduce-scatter / all-gather pipeline.
 
     Use it in place of ``DistributedDataParallel`` + ``optimizer.step()``::
@@ -251,37 +246,6 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         self._module_group = layout.module_group
         self._param_loc = layout.param_loc
         self._next_launch = len(self._groups) - 1
-
-    @contextlib.contextmanager
-    def _timed(self, counter: str) -> Iterator[None]:
-        """Add the duration of the block to the float attribute ``counter`` (seconds). On CPU: wall
-        clock. On CUDA: the time the current stream takes to pass the block's work (for a
-        ``.wait()``, how long the stream stalls on the collective: exposed communication), from a
-        pair of CUDA events read later by :meth:`_read_timings` (no host sync here)."""
-        if not self._cuda_timing:
-            t0 = time.perf_counter()
-            yield
-            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
-            return
-        stream = torch.cuda.current_stream(self._device)
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        yield
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        self._timing_events.append((counter, start, end))
-
-    def _read_timings(self, wait: bool) -> None:
-        """Add the elapsed time of recorded CUDA event pairs to their counters: all of them
-        (``wait``, synchronising on the last) or those already completed (no host sync)."""
-        done = 0
-        for counter, start, end in self._timing_events:
-            if not wait and not end.query():
-                break
-            end.synchronize()
-            setattr(self, counter, getattr(self, counter) + start.elapsed_time(end) / 1e3)
-            done += 1
-        del self._timing_events[:done]
 
     def _mid_iteration(self) -> bool:
         return self._reduced or any(g.launched or g.n_ready for g in self._groups)
