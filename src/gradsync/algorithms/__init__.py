@@ -8,9 +8,9 @@ Unknown names and options raise ``ValueError`` listing what is allowed.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Mapping
 
-from . import allreduce, compressed, covap, dear, gravac, oscar, powersgd
 from .allreduce import AllReduceState, FP16State, allreduce_hook, fp16_hook
 from .base import HookState
 from .compressed import CompressedState, compressed_hook
@@ -29,9 +29,13 @@ def register(spec: AlgorithmSpec) -> None:
     REGISTRY[spec.name] = spec
 
 
-for _spec in (allreduce.ALLREDUCE, allreduce.FP16, covap.SPEC, powersgd.SPEC, *compressed.SPECS, gravac.SPEC,
-              *oscar.SPECS, *dear.SPECS):
-    register(_spec)
+#: Modules that register algorithms, in registration order; each exports ``SPECS``. Adding an
+#: algorithm is its module plus its name here.
+ALGORITHM_MODULES = ("allreduce", "covap", "powersgd", "compressed", "gravac", "oscar", "dear")
+
+for _module in ALGORITHM_MODULES:
+    for _spec in importlib.import_module(f"{__name__}.{_module}").SPECS:
+        register(_spec)
 
 
 def get(name: str) -> AlgorithmSpec:

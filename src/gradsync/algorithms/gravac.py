@@ -407,3 +407,6 @@ def _make_hook(opts: GravacOptions, ctx: Any) -> tuple:
 
 SPEC = hook_algorithm("gravac", "GraVAC: compression factor adapted from the all-reduced compression gain and "
                       "throughput (Tyagi & Swany, IEEE CLOUD 2023, arXiv 2305.12201)", GravacOptions, _make_hook)
+
+#: the algorithms this module registers
+SPECS = (SPEC,)

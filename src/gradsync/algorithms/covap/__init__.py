@@ -53,7 +53,7 @@ from .filter import CovapFilter, narrow
 from .hook import covap_hook
 from .state import AUTO_ADAPT_EVERY, AUTO_CALIBRATION_STEPS, CovapState
 
-__all__ = ["AUTO_ADAPT_EVERY", "AUTO_CALIBRATION_STEPS", "SPEC", "CovapFilter", "CovapOptions", "CovapPlan",
+__all__ = ["AUTO_ADAPT_EVERY", "AUTO_CALIBRATION_STEPS", "SPEC", "SPECS", "CovapFilter", "CovapOptions", "CovapPlan",
            "CovapState", "covap_hook", "narrow"]
 
 
@@ -81,3 +81,6 @@ def _make_hook(opts: CovapOptions, ctx: Any) -> Tuple[CovapState, Any]:
 
 SPEC = hook_algorithm("covap", "COVAP coarse-grained filter, K from the measured CCR, discounted error feedback "
                       "(Meng, Sun & Li, arXiv 2311.04499)", CovapOptions, _make_hook)
+
+#: the algorithms this package registers
+SPECS = (SPEC,)
