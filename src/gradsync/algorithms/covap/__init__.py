@@ -40,6 +40,14 @@ the one object shared by the DDP hook and DeAR's pipeline, :mod:`gradsync.algori
 :mod:`.state` (:class:`CovapState`: the hook's state, recorded layouts, calibration), :mod:`.hook`
 (:func:`covap_hook`: the per-bucket launch and scatter-back), :mod:`.adapt` (timing and K
 adaptation); the options and the registration are here.
+
+Compressor -> memory -> communicator: the shard plan (:class:`~gradsync.compressors.covap_shards.CovapPlan`)
+plays the compressor and a :class:`~gradsync.feedback.residual.ResidualMemory` with
+:class:`~gradsync.feedback.discounted.CovapDiscount` the memory, but the exchange does not go through
+:func:`gradsync.comm.sparse.communicate`: the payload is a strided slice that the receiver writes back
+into ``buf[s::c]`` (no index, no decompression), a dropped bucket launches no collective at all, and
+the last bucket's all-reduce carries the finite vote as one more element; so the hook keeps one launch
+and scatter-back path of its own (:func:`.hook._send`, also used for remapped buckets).
 """
 
 from dataclasses import dataclass

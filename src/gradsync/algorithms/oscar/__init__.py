@@ -9,6 +9,12 @@ Modules:
   Sketched-SGD).
 - :mod:`.splitting`: :class:`OscarState` (``oscar-sw``, ``oscar-asc``) / :func:`oscar_hook`.
 
+Not through compressor -> memory -> communicator (:mod:`gradsync.comm.sparse`): one bucket's reduction
+is a chain of dependent collectives (the MAX of the scale, the sketch table, the exact values at the
+recovered coordinates, a coded ring whose chunk bounds come from the previous aggregate), run in
+bucket order on a background worker, with the error feedback updated between them (quantisation
+error, unrecovered sketch mass); the one-payload, one-exchange interface cannot express it.
+
 OSCAR-SW and OSCAR with ASC (:mod:`.splitting`), reconstructed.
 
 Source: Majhi, Laskar, Muzahid, Kim (2026), "Compression-Aware Gradient Splitting for Collective
