@@ -14,15 +14,14 @@ arXiv 1708.07747; COVAP: Meng, Sun & Li, arXiv 2311.04499.
 
 import argparse
 
-import gradsync.integrations.lightning  # noqa: F401,E402  (makes torchvision importable first)
-import lightning.pytorch as L
+from gradsync.integrations.lightning import GradsyncHook  # first: makes torchvision importable
+
+import lightning.pytorch as L  # noqa: I001
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-from gradsync.integrations.lightning import GradsyncHook
 
 
 class Classifier(L.LightningModule):

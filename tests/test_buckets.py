@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from gradsync.algorithms import build_hook
-from gradsync.profiler.ccr import (MIN_OVERLAP_BUCKETS, TARGET_BUCKETS, bucket_overlap_warning,
+from gradsync.comm.buckets import (MIN_OVERLAP_BUCKETS, TARGET_BUCKETS, bucket_overlap_warning,
                                    ddp_bucket_numels, suggested_bucket_cap_mb)
 from gradsync.workloads import fashion_mnist
 from cli_runner import run_cli

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from gradsync.algorithms.dear import DeAR
-from gradsync.algorithms.dear_covap import CovapGradFilter
+from gradsync.algorithms.dear import CovapGradFilter
 
 
 def make_model() -> nn.Module:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.algorithms.dear import DeAR
-from gradsync.algorithms.dear_covap import CovapGradFilter
+from gradsync.algorithms.dear import CovapGradFilter
 from gradsync.comm.collectives import reduce_scatter_flat
 from gradsync.comm.ring import ring_reduce_scatter_tensor
 

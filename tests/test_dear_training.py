@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.algorithms.dear import DeAR
-from gradsync.algorithms.dear_covap import CovapGradFilter
+from gradsync.algorithms.dear import CovapGradFilter
 
 ONE_MODULE_MB = 1e-6  # every module in its own fusion group
 SHARED_MB = 550 / 2**20  # groups [fc1] [bn, fc2, unused] [extra, head]: eval-mode BN shares a group

@@ -223,7 +223,7 @@ def dear_covap_with_one_inf(rank, world):
     """dear-covap (COVAP's filter in DeAR's pipeline, fp16 cast) with the scaler known from
     construction: DeAR's all-reduced found-inf skips the step, and the filter's residuals roll back."""
     from gradsync.algorithms.dear import DeAR
-    from gradsync.algorithms.dear_covap import CovapGradFilter
+    from gradsync.algorithms.dear import CovapGradFilter
 
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)

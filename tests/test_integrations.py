@@ -71,15 +71,14 @@ def _destroy_process_group() -> None:
 
 
 def _lightning_job(out: Path) -> None:
-    import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
-    import lightning.pytorch as L
+    from gradsync.integrations.lightning import GradsyncHook  # first: makes torchvision importable
+
+    import lightning.pytorch as L  # noqa: I001
     import torch
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
-
-    from gradsync.integrations.lightning import GradsyncHook
 
     torch.set_num_threads(1)
     x, y = _data(WORLD * BATCH * STEPS_PER_EPOCH)
@@ -408,7 +407,9 @@ def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, sc
             pytest.skip("KJV text not installed (apt-get install bible-kjv-text)")
     from gradsync.comm.rendezvous import free_port
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # unbuffered: each print is one write, so the ranks' summary lines cannot be cut by the other
+    # rank's block-buffered output (the Trainer's logs fill more than a pipe's atomic 4 KiB)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent / "src"), env.get("PYTHONPATH", "")) if p)
     target = [str(EXAMPLES / script), *args]
     if launcher == "torchrun":
@@ -423,7 +424,7 @@ def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, sc
         cmd = [sys.executable, *target, "--out", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    # the two ranks' summary lines may interleave on the shared stdout
+    # the two ranks' summary lines may interleave on the shared stdout (each line is written whole)
     found = dict(re.findall(r"rank (\d): covap put \d+ bytes on the wire, dense all-reduce \d+ "
                                 r"\(compression ([\d.]+)x", proc.stdout))
     assert sorted(found) == ["0", "1"], proc.stdout[-2000:]
@@ -463,13 +464,12 @@ def test_accelerate_register_hook_warns_and_returns_none_in_one_process():
 
 def test_lightning_hook_warns_and_registers_nothing_in_one_process(tmp_path):
     pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
-    import gradsync.integrations.lightning  # noqa: F401  (makes torchvision importable first)
-    import lightning.pytorch as L
+    from gradsync.integrations.lightning import GradsyncHook  # first: makes torchvision importable
+
+    import lightning.pytorch as L  # noqa: I001
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
-
-    from gradsync.integrations.lightning import GradsyncHook
 
     class Net(L.LightningModule):
         def __init__(self):

@@ -11,7 +11,7 @@ from distributed import run_ranks
 from gradsync.algorithms import REGISTRY, build_hook
 from gradsync.algorithms.covap import CovapFilter
 from gradsync.feedback.residual import ResidualMemory
-from gradsync.profiler.ccr import ddp_bucket_numels
+from gradsync.comm.buckets import ddp_bucket_numels
 
 HOOKS = sorted(n for n, spec in REGISTRY.items() if spec.make_hook is not None)
 OPTIONS = {"ratio": 2, "density": 0.1}

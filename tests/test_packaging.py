@@ -63,8 +63,9 @@ MISSING = textwrap.dedent("""
         "oscar-asc": ("oscar", lambda: importlib.import_module("gradsync.algorithms").build_hook("oscar-asc")),
         "torchvision": ("vision", lambda: importlib.import_module("gradsync.workloads.vision").torchvision_models()),
         "fusion tuner": ("tune", lambda: importlib.import_module("gradsync.tuning.fusion").FusionTuner()),
-        "lightning": ("integrations", lambda: importlib.import_module("gradsync.integrations.lightning")),
-        "transformers": ("integrations", lambda: importlib.import_module("gradsync.integrations.transformers")),
+        "lightning": ("integrations", lambda: importlib.import_module("gradsync.integrations.lightning").GradsyncHook),
+        "transformers": ("integrations",
+                         lambda: importlib.import_module("gradsync.integrations.transformers").GradsyncCallback),
     }
     for what, (extra, call) in checks.items():
         try:

@@ -90,7 +90,7 @@ def test_every_algorithm_declares_typed_options_with_help():
 def wrap_both(rank, world):
     import gradsync
     from gradsync.algorithms.dear import DeAR
-    from gradsync.algorithms.dear_covap import CovapGradFilter
+    from gradsync.algorithms.dear import CovapGradFilter
 
     model = make_model()
     ddp = gradsync.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), algorithm="covap", ratio=2)

@@ -4,6 +4,23 @@ Algorithms (COVAP, GraVAC, DeAR, OSCAR and a compressor library) are built on ``
 only. Communication-hook algorithms plug into ``DistributedDataParallel``
 (``ddp.register_comm_hook(*gradsync.algorithms.build_hook(name, ...))``); :func:`wrap` builds either
 kind around a bare module.
+
+Layers, top to bottom: a module imports only from its own layer or a lower one, never upward
+(``tests/test_layers.py`` reads this table and checks every import, also those inside functions)::
+
+    cli, __main__, __init__               command line; the package root (wrap)
+    bench, integrations                   side-by-side benchmarks; Lightning / Accelerate
+    train                                 training loop, checkpoints, launcher of local ranks
+    profiler                              CCR, per-bucket timings, traces of an algorithm on a workload
+    workloads, launch, cluster            models + datasets; forked local ranks; emulated hosts
+    algorithms                            one protocol (algorithms.protocol), hooks, DeAR's pipeline
+    tuning, coding, feedback, sim         fusion tuner; ASC entropy coding; error feedback; cost model
+    comm                                  collectives over torch.distributed, DDP bucket sizes
+    compressors                           pure tensor -> payload -> tensor transforms
+    options, validation, extras, report   typed options, argument checks, optional imports, tables
+
+The profiler sits above algorithms (it measures one), so algorithms take DDP's bucket sizes from
+``comm.buckets``; comm and feedback may use compressors, which communicate nothing.
 """
 
 __version__ = "0.1.0"

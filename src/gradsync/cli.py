@@ -31,14 +31,14 @@ def _auto_adapt(options: dict, algorithms: list[str]) -> dict:
     """``--ratio auto`` on the command line also follows the network: COVAP's ``adapt_every``
     defaults to :data:`~gradsync.algorithms.covap.AUTO_ADAPT_EVERY` steps there (the library's
     default is 0, K fixed) when an algorithm of the run takes it and it was not given. ``algorithms``
-    are ``--algorithms`` entries (:func:`gradsync.bench.config.parse_entry`).
+    are ``--algorithms`` entries (:func:`gradsync.algorithms.parse_entry`).
 
     Raises:
         ValueError: for an entry naming no registered algorithm (see :func:`parse_entry`).
     """
     from .algorithms import REGISTRY
     from .algorithms.covap import AUTO_ADAPT_EVERY
-    from .bench.config import parse_entry
+    from .algorithms import parse_entry
 
     if (options.get("ratio") == "auto" and "adapt_every" not in options
             and any("adapt_every" in REGISTRY[parse_entry(a)[0]].options.keys() for a in algorithms)):
@@ -306,7 +306,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _bucket_cap(text: str) -> float | str:
-    """``--bucket-cap-mb``: MB, or ``auto`` (:func:`gradsync.profiler.ccr.suggested_bucket_cap_mb`)."""
+    """``--bucket-cap-mb``: MB, or ``auto`` (:func:`gradsync.comm.buckets.suggested_bucket_cap_mb`)."""
     return text if text == "auto" else float(text)
 
 
@@ -334,7 +334,7 @@ def _measure_profile(args: argparse.Namespace):
     """
     import torch
 
-    from .profiler.ccr import resolve_bucket_cap_mb
+    from .comm.buckets import resolve_bucket_cap_mb
     from .profiler.profile import model_for_profile, record_profile
     from .validation import check_int
 

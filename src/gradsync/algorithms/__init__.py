@@ -8,9 +8,11 @@ Unknown names and options raise ``ValueError`` listing what is allowed.
 
 from __future__ import annotations
 
+import argparse
+import importlib
 from typing import Any, Mapping
 
-from . import allreduce, compressed, covap, dear_covap, dear_options, gravac, oscar, powersgd
+from ..options import field_specs
 from .allreduce import AllReduceState, FP16State, allreduce_hook, fp16_hook
 from .base import HookState
 from .compressed import CompressedState, compressed_hook
@@ -29,9 +31,13 @@ def register(spec: AlgorithmSpec) -> None:
     REGISTRY[spec.name] = spec
 
 
-for _spec in (allreduce.ALLREDUCE, allreduce.FP16, covap.SPEC, powersgd.SPEC, *compressed.SPECS, gravac.SPEC,
-              *oscar.SPECS, dear_options.SPEC, dear_covap.SPEC):
-    register(_spec)
+#: Modules that register algorithms, in registration order; each exports ``SPECS``. Adding an
+#: algorithm is its module plus its name here.
+ALGORITHM_MODULES = ("allreduce", "covap", "powersgd", "compressed", "gravac", "oscar", "dear")
+
+for _module in ALGORITHM_MODULES:
+    for _spec in importlib.import_module(f"{__name__}.{_module}").SPECS:
+        register(_spec)
 
 
 def get(name: str) -> AlgorithmSpec:
@@ -96,7 +102,46 @@ def build_hook(name: str, process_group: Any = None, model: Any = None, *, seed:
     return spec.make_hook(make_options(name, options), ctx)
 
 
-__all__ = ["REGISTRY", "AlgorithmSpec", "BuildContext", "Precision", "Synchroniser", "register", "get", "make_options", "build",
+def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
+    """Split a ``--algorithms`` entry ``NAME[:KEY=VALUE[:KEY=VALUE...]]`` into the algorithm name and
+    its options, each value converted to the option's type (``"auto"`` where the option takes it).
+
+    Raises:
+        ValueError: naming the entry, for an unknown algorithm (listing the registered ones), an item
+            without ``=``, a key the algorithm does not take (listing those it takes), a repeated key
+            or a value outside the option's allowed range.
+    """
+    name, *items = entry.split(":")
+    if name not in REGISTRY:
+        raise ValueError(f"algorithms must be among {', '.join(sorted(REGISTRY))}; got {name!r} in {entry!r}")
+    specs = {f.name: f for f in field_specs(REGISTRY[name].options)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ValueError(f"algorithms entry {entry!r}: {item!r} must be KEY=VALUE")
+        if key not in specs:
+            raise ValueError(f"algorithms entry {entry!r}: {name} takes "
+                             f"{', '.join(sorted(specs)) or 'no options'}; got {key!r}")
+        if key in out:
+            raise ValueError(f"algorithms entry {entry!r} repeats {key!r}")
+        out[key] = _parse_value(specs[key], text.strip(), entry)
+    return name, out
+
+
+def _parse_value(spec: Any, text: str, entry: str) -> Any:
+    if spec.base is bool:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"algorithms entry {entry!r}: {spec.name} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    try:
+        return spec.parse(text)
+    except argparse.ArgumentTypeError:
+        raise ValueError(f"algorithms entry {entry!r}: {spec.name} must be {spec.allowed()}, got {text!r}") from None
+
+
+__all__ = ["REGISTRY", "parse_entry", "AlgorithmSpec", "BuildContext", "Precision", "Synchroniser", "register", "get", "make_options", "build",
            "build_hook", "HookState", "AllReduceState", "FP16State", "CovapFilter", "CovapState", "CovapPlan",
            "CompressedState", "GravacState", "PowerSGDHookState", "CountSketchState", "OscarSWState",
            "OscarASCState", "allreduce_hook", "fp16_hook", "covap_hook", "compressed_hook", "gravac_hook",

@@ -50,3 +50,6 @@ ALLREDUCE = hook_algorithm("allreduce", "dense all-reduce, bitwise equal to DDP'
                            NoOptions, lambda opts, ctx: (AllReduceState(ctx.process_group), allreduce_hook))
 FP16 = hook_algorithm("fp16", "torch's fp16_compress_hook: cast to float16, all-reduce, cast back",
                       NoOptions, lambda opts, ctx: (FP16State(ctx.process_group), fp16_hook))
+
+#: the algorithms this module registers
+SPECS = (ALLREDUCE, FP16)

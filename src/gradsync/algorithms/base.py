@@ -15,10 +15,12 @@ import torch.distributed as dist
 
 from ..comm.collectives import wire_bytes
 from ..feedback.finite import FiniteGuard
+from .protocol import Algorithm
 
 
-class HookState:
-    """Base state: process group, iteration counter and byte/time counters.
+class HookState(Algorithm):
+    """Base state: process group, iteration counter and byte/time counters; the
+    :class:`~gradsync.algorithms.protocol.Algorithm` protocol with the counters as :meth:`stats`.
 
     Args:
         process_group: group the collectives run on (``None`` = default group).
@@ -125,19 +127,6 @@ class HookState:
 
     def _restore(self, saved: Any) -> None:
         """Put back :meth:`_snapshot`'s result."""
-
-    # -- controller calls (see gradsync.algorithms.synchroniser) ----------------------------------
-    #: True when the algorithm chooses a setting from the measured CCR (then :meth:`calibrate` is called).
-    needs_ccr = False
-
-    def calibrate(self, ccr: float) -> dict[str, Any]:
-        """Receive the all-reduced CCR (identical on every rank); return what was chosen from it."""
-        return {}
-
-    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        """Receive the finished step's wall-clock ``seconds`` and this rank's ``samples``; return
-        per-step figures worth logging (none by default)."""
-        return {}
 
     # -- reporting and checkpoints ------------------------------------------------------------
     def stats(self) -> dict[str, float]:

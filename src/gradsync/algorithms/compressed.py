@@ -16,7 +16,7 @@ Example::
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -201,9 +201,7 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
     rec = state._step_record()
     count = state._counter(rec)
     if state.iteration < state.start_iter:
-        rec["selected"] += buf.numel()
-        rec["numel"] += buf.numel()
-        fut = dense_allreduce(buf, group, count)
+        fut = dense_start(buf, rec, group, count)
         state._finish_bucket(bucket, rec)
         return fut
     key = bucket.index()
@@ -229,12 +227,25 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
     fut = communicate(state.compressor, payload, ctx, group, count, timer)
     verdict = guard.launch_verdict(group, buf.device, count) if bucket.is_last() else None
     state._finish_bucket(bucket, rec)
+    return state.guarded(bucket, fut.then(copy_back(buf)), verdict)
 
+
+def dense_start(buf: torch.Tensor, rec: dict[str, Any], group: Any, count: Any) -> torch.futures.Future:
+    """A start-up iteration's bucket (shared by :func:`compressed_hook` and GraVAC's hook): dense
+    all-reduce of ``buf``, every element counted as selected in the step record ``rec``."""
+    rec["selected"] += buf.numel()
+    rec["numel"] += buf.numel()
+    return dense_allreduce(buf, group, count)
+
+
+def copy_back(buf: torch.Tensor) -> Callable[[torch.futures.Future], torch.Tensor]:
+    """The ``Future.then`` callback that copies the exchanged flat result into the bucket ``buf``
+    (local only: no collective) and returns ``buf``."""
     def write_back(f: torch.futures.Future) -> torch.Tensor:
         buf.copy_(f.value().view_as(buf))
         return buf
 
-    return state.guarded(bucket, fut.then(write_back), verdict)
+    return write_back
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,13 @@ ever launched from a ``Future.then`` callback. Consequences: a change of candida
 step after the boundary that caused it, and the candidate's gain is first known one step after the
 candidate is first computed (that step sends ``theta_min`` or dense).
 
+Composition: the hook goes through compressor -> memory -> communicator
+(:func:`~gradsync.compressors.make_compressor`, :class:`~gradsync.feedback.residual.ResidualMemory`,
+:func:`gradsync.comm.sparse.communicate`) and shares the start-up and write-back of
+:func:`~gradsync.algorithms.compressed.compressed_hook`; it keeps its own body because it compresses
+twice per bucket (``theta_min`` and the candidate, to measure both gains) and takes its branch from
+the previous step's all-reduced statistics.
+
 Deviation from the reference: the reference keeps two independent error-feedback memories (one per
 compressor, both updated each step). Here one residual memory is shared: both compressors compress
 the same ``x = g + e`` and ``e`` is updated from the payload actually sent (``e = 0`` after a dense
@@ -50,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.algorithms.base import HookState
+from gradsync.algorithms.compressed import copy_back, dense_start
 from gradsync.algorithms.gravac_controller import GravacController
 from gradsync.algorithms.spec import hook_algorithm
 from gradsync.comm.collectives import dense_allreduce
@@ -324,9 +332,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
     rec = state._record()
     count = state._counter(rec)
     if state.iteration < state.start_iter:
-        rec["selected"] += buf.numel()
-        rec["numel"] += buf.numel()
-        fut = dense_allreduce(buf, group, count)
+        fut = dense_start(buf, rec, group, count)
         if bucket.is_last():
             state._end_of_step(rec, buf.device)
         rec["dense_wire_bytes"] += state.end_bucket(bucket)  # rec is last_step's dict after the last bucket
@@ -374,12 +380,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
     if bucket.is_last():
         state._end_of_step(rec, buf.device)
     rec["dense_wire_bytes"] += state.end_bucket(bucket)
-
-    def write_back(f: torch.futures.Future) -> torch.Tensor:
-        buf.copy_(f.value().view_as(buf))
-        return buf
-
-    return state.guarded(bucket, fut.then(write_back), rec.pop("verdict", None))
+    return state.guarded(bucket, fut.then(copy_back(buf)), rec.pop("verdict", None))
 
 
 @dataclass(frozen=True)
@@ -407,3 +408,6 @@ def _make_hook(opts: GravacOptions, ctx: Any) -> tuple:
 
 SPEC = hook_algorithm("gravac", "GraVAC: compression factor adapted from the all-reduced compression gain and "
                       "throughput (Tyagi & Swany, IEEE CLOUD 2023, arXiv 2305.12201)", GravacOptions, _make_hook)
+
+#: the algorithms this module registers
+SPECS = (SPEC,)

@@ -207,8 +207,8 @@ class GravacController:
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
-        for name in ("ng", "nmin", "ng_c", "nc"):
-            getattr(self, name).load_state_dict(s[name])
+        for meter, name in ((self.ng, "ng"), (self.nmin, "nmin"), (self.ng_c, "ng_c"), (self.nc, "nc")):
+            meter.load_state_dict(s[name])
         self.theta_c = float(s["theta_c"])
         self.searching = bool(s["searching"])
         self.ct = {float(cf): list(v) for cf, v in s["ct"].items()}

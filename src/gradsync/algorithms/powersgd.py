@@ -145,3 +145,6 @@ SPEC = hook_algorithm(
     lambda opts, ctx: (PowerSGDHookState(opts.matrix_approximation_rank, process_group=ctx.process_group,
                                          seed=ctx.seed), powersgd_hook),
     single_bucket=True)
+
+#: the algorithms this module registers
+SPECS = (SPEC,)

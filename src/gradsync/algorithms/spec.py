@@ -1,9 +1,10 @@
 """How an algorithm describes itself to the registry: its name, a one-line summary, its options
 dataclass and a builder that returns a :class:`~gradsync.algorithms.synchroniser.Synchroniser`.
 
-A new algorithm adds one module with its options dataclass (:mod:`gradsync.options`) and a
-``SPEC = hook_algorithm(...)`` (a DDP communication hook) or ``wrapper_algorithm(...)`` (an algorithm
-that replaces DDP), and one registration line in :mod:`gradsync.algorithms`.
+A new algorithm adds one module with its options dataclass (:mod:`gradsync.options`) and
+``SPECS = (hook_algorithm(...),)`` (a DDP communication hook) or ``(wrapper_algorithm(...),)`` (an
+algorithm that replaces DDP), and its module name in ``ALGORITHM_MODULES`` of
+:mod:`gradsync.algorithms`.
 """
 
 from __future__ import annotations

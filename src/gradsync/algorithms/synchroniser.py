@@ -4,6 +4,9 @@ A :class:`Synchroniser` owns the data-parallel model and the optimizer step. Two
 cover every algorithm: :class:`HookSynchroniser` (``DistributedDataParallel`` + a communication hook,
 the optimizer stepped as usual) and :class:`DeARSynchroniser` (DeAR's decoupled reduce-scatter /
 all-gather pipeline, which applies the optimizer itself). Callers never branch on the algorithm's name.
+What is specific to an algorithm sits behind one protocol with defaults,
+:class:`~gradsync.algorithms.protocol.Algorithm` (``sync.algorithm``: the hook's state, or DeAR's
+``grad_filter``), which the synchronisers call without probing for attributes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from ..compressors.cast import CAST_DTYPES
+from .protocol import Algorithm
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -73,7 +79,7 @@ class Precision:
         Raises:
             ValueError: if ``amp`` is another string or ``clip_grad_norm`` is not positive.
         """
-        dtypes = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+        dtypes = {"off": None, **CAST_DTYPES}
         if amp not in dtypes:
             raise ValueError(f"amp must be one of {', '.join(dtypes)}, got {amp!r}")
         if clip_grad_norm is not None and not clip_grad_norm > 0:
@@ -150,23 +156,23 @@ class _Common:
     @property
     def needs_ccr(self) -> bool:
         """True when the algorithm chooses a setting from the measured CCR (COVAP's ``ratio=auto``)."""
-        return self._controller().needs_ccr
+        return self.algorithm.needs_ccr
 
     def calibrate(self, ccr: float) -> dict[str, Any]:
         """Give the all-reduced communication-to-computation ratio (dense all-reduce seconds /
         backward seconds, identical on every rank); returns what the algorithm chose from it."""
-        return self._controller().calibrate(ccr)
+        return self.algorithm.calibrate(ccr)
 
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
         """Report the wall-clock ``seconds`` and ``samples`` of the step that just finished (every
         rank, every step); returns per-step figures to log (e.g. GraVAC's compression factor)."""
-        return self._controller().observe_step(seconds, samples)
+        return self.algorithm.observe_step(seconds, samples)
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:
         """The dtype the algorithm puts on the wire when it casts (COVAP's ``cast``), for timing the
         CCR in that dtype; ``None``: the parameters' dtype."""
-        return getattr(self._controller(), "wire_dtype", None)
+        return self.algorithm.wire_dtype
 
 
 class HookSynchroniser(_Common):
@@ -187,12 +193,9 @@ class HookSynchroniser(_Common):
         device_ids = [ctx.device.index] if ctx.device is not None and ctx.device.type == "cuda" else None
         self.wrapper = DistributedDataParallel(ctx.model, process_group=ctx.process_group, device_ids=device_ids,
                                                bucket_cap_mb=1e4 if single_bucket else ctx.bucket_cap_mb)
-        self.state = state
+        self.state = self.algorithm = state
         self.wrapper.register_comm_hook(state, hook)
         self.optimizer = ctx.make_optimizer(self.wrapper.parameters())
-
-    def _controller(self) -> Any:
-        return self.state
 
     def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None:
         """``optimizer.step()``, or with ``scaler`` ``scaler.step(optimizer); scaler.update()``."""
@@ -225,13 +228,12 @@ class HookSynchroniser(_Common):
 
     def bucket_numels(self) -> list[int]:
         """Elements per DDP bucket, in reduction order (after the rebuild): the layout the hook
-        recorded when it keeps one (COVAP's ``recorded_numels``), else DDP's rebuilt bucket sizes."""
-        from ..profiler.ccr import ddp_bucket_numels
+        recorded when it keeps one (:meth:`Algorithm.bucket_numels`, COVAP), else DDP's rebuilt
+        bucket sizes."""
+        from ..comm.buckets import ddp_bucket_numels
 
-        recorded = getattr(self.state, "recorded_numels", None)
-        if recorded is not None and getattr(self.state, "layouts", None):
-            return list(recorded())
-        return ddp_bucket_numels(self.wrapper)
+        recorded = self.state.bucket_numels()
+        return recorded if recorded is not None else ddp_bucket_numels(self.wrapper)
 
     def stats(self) -> dict[str, Any]:
         return self.state.stats()
@@ -246,12 +248,15 @@ class HookSynchroniser(_Common):
         self.state.load_state_dict(state)
 
     def close(self) -> None:
-        """Nothing to release: DDP's reducer goes with the wrapper."""
+        """The state's :meth:`~gradsync.algorithms.protocol.Algorithm.close` (COVAP removes its
+        forward hook); DDP's reducer goes with the wrapper."""
+        self.state.close()
 
 
 class DeARSynchroniser(_Common):
-    """A :class:`~gradsync.algorithms.dear.DeAR` wrapper, optionally with a ``grad_filter`` that also
-    answers the controller calls (``needs_ccr``, ``calibrate``, ``observe_step``, ``config``)."""
+    """A :class:`~gradsync.algorithms.dear.DeAR` wrapper, optionally with a ``grad_filter`` that is the
+    algorithm (:class:`~gradsync.algorithms.protocol.Algorithm`: ``needs_ccr``, ``calibrate``,
+    ``observe_step``, ``stats``, ``config``, ``close``); without one the protocol's defaults."""
 
     def __init__(self, name: str, ctx: BuildContext, fusion_mb: float | str, grad_filter: Any = None):
         from .dear import DeAR
@@ -262,11 +267,9 @@ class DeARSynchroniser(_Common):
         self.wrapper = DeAR(ctx.model, self.optimizer, process_group=ctx.process_group, fusion_mb=fusion_mb,
                             grad_filter=grad_filter, seed=ctx.seed, grad_scaler=ctx.scaler)
         self.grad_filter = grad_filter
+        self.algorithm = grad_filter if grad_filter is not None else Algorithm()
         if grad_filter is not None:
             grad_filter.bind(self.wrapper)
-
-    def _controller(self) -> Any:
-        return self.grad_filter if self.grad_filter is not None else _NoController()
 
     def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None:
         """:meth:`DeAR.step <gradsync.algorithms.dear.DeAR.step>` (with ``scaler``: unscale, skip on
@@ -295,14 +298,10 @@ class DeARSynchroniser(_Common):
         return list(self.wrapper.group_sizes())
 
     def stats(self) -> dict[str, Any]:
-        out = self.wrapper.stats()
-        if self.grad_filter is not None:
-            out.update(self.grad_filter.stats())
-        return out
+        return {**self.wrapper.stats(), **self.algorithm.stats()}
 
     def config(self) -> dict[str, Any]:
-        extra = self.grad_filter.config() if self.grad_filter is not None else {}
-        return {**self.wrapper.config(), "algorithm": self.name, **extra}
+        return {**self.wrapper.config(), "algorithm": self.name, **self.algorithm.config()}
 
     def state_dict(self) -> dict[str, Any]:
         """DeAR's state: model, optimizer, iteration, fusion threshold and the filter's residuals."""
@@ -313,18 +312,7 @@ class DeARSynchroniser(_Common):
 
     def close(self) -> None:
         """Remove DeAR's hooks and destroy its two process groups (collective)."""
-        import torch.distributed as dist
-
         self.wrapper.remove_hooks()
-        for g in (self.wrapper.rs_group, self.wrapper.ag_group):
-            dist.destroy_process_group(g)
+        self.wrapper.comm.destroy()
+        self.algorithm.close()
 
-
-class _NoController:
-    needs_ccr = False
-
-    def calibrate(self, ccr: float) -> dict[str, Any]:
-        return {}
-
-    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {}

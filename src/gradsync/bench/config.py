@@ -3,12 +3,11 @@ command-line flags are generated."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..algorithms import REGISTRY, make_options
+from ..algorithms import REGISTRY, make_options, parse_entry
 from ..options import AUTO, field_specs, option
 from ..train.config import SharedConfig
 from ..workloads import get_workload
@@ -100,40 +99,3 @@ class BenchConfig(SharedConfig):
         return cls(**json.loads(text))
 
 
-def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
-    """Split a ``--algorithms`` entry ``NAME[:KEY=VALUE[:KEY=VALUE...]]`` into the algorithm name and
-    its options, each value converted to the option's type (``"auto"`` where the option takes it).
-
-    Raises:
-        ValueError: naming the entry, for an unknown algorithm (listing the registered ones), an item
-            without ``=``, a key the algorithm does not take (listing those it takes), a repeated key
-            or a value outside the option's allowed range.
-    """
-    name, *items = entry.split(":")
-    if name not in REGISTRY:
-        raise ValueError(f"algorithms must be among {', '.join(sorted(REGISTRY))}; got {name!r} in {entry!r}")
-    specs = {f.name: f for f in field_specs(REGISTRY[name].options)}
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep:
-            raise ValueError(f"algorithms entry {entry!r}: {item!r} must be KEY=VALUE")
-        if key not in specs:
-            raise ValueError(f"algorithms entry {entry!r}: {name} takes "
-                             f"{', '.join(sorted(specs)) or 'no options'}; got {key!r}")
-        if key in out:
-            raise ValueError(f"algorithms entry {entry!r} repeats {key!r}")
-        out[key] = _parse_value(specs[key], text.strip(), entry)
-    return name, out
-
-
-def _parse_value(spec: Any, text: str, entry: str) -> Any:
-    if spec.base is bool:
-        if text.lower() not in ("true", "false"):
-            raise ValueError(f"algorithms entry {entry!r}: {spec.name} must be true or false, got {text!r}")
-        return text.lower() == "true"
-    try:
-        return spec.parse(text)
-    except argparse.ArgumentTypeError:
-        raise ValueError(f"algorithms entry {entry!r}: {spec.name} must be {spec.allowed()}, got {text!r}") from None

@@ -39,34 +39,8 @@ Choices (made here, measured below):
   message, far slower than one model over a ``2 P L + 1`` alphabet); the iteration-to-iteration
   similarity of gradients is what ASC exploits.
 
-Measured (2026-11-22, this 2-core machine; ``measure_ring_coding`` driven by a script that trains a
-2-conv + 2-fc CNN (421,642 parameters) on real Fashion-MNIST, batch 64 per simulated rank, SGD lr
-0.05 momentum 0.9, the whole gradient as one bucket, shared max scale, stochastic rounding, error
-feedback; 12 iterations, the first (profiling/uniform) iteration excluded; bytes summed over every
-ring hop of the other 11, headers included; equal chunks):
-
-==========================  ============  ============  ============
-scheme                      P=4, L=31     P=4, L=127    P=2, L=63
-==========================  ============  ============  ============
-raw ints (int8 / int16)     27,828,372    55,656,744    9,276,124
-zstd level 3 of raw         8,136,611     13,168,775    2,662,711
-zlib level 6 of raw         7,826,557     12,690,485    2,486,802
-static table (sent once)    7,046,850     10,509,088    2,354,272
-ASC, decay 0                6,980,344     10,463,424    2,286,180
-ASC, decay 0.5 (default)    6,848,016
-ASC, decay 0.9              6,837,408
-==========================  ============  ============  ============
-
-So ASC sends 4.06x fewer bytes than raw int8 (P=4, L=31; the sums of 4 ranks still fit int8),
-1.19x fewer than zstd, 1.14x fewer than zlib and 1.03x fewer than an Atalanta-style static table
-(whose advantage shrinks here because gradient statistics drift little within 12 iterations).
-Decay 0.5 gains 1.9 % over the pure previous-iteration model (0.9 only 0.15 % more), so it is the
-default. Fraction of zeros in the aggregated ints: 0.51 (L=31), 0.36 (L=127).
-Coding time (noisy, shared machine, range coder of the time): per simulated rank and iteration (about 420 k symbols encoded
-and 630 k decoded on its hops) 4-25 ms encoding and 15-60 ms decoding.
-Load balance (mean over steps of max/mean bytes across ranks, P=4, L=31): equal chunks 1.055,
-``balanced_bounds`` on ``-log2 p(previous aggregate)`` costs 1.025 (L=127: 1.052 -> 1.032; P=2: 1.017
-vs 1.020, no gain: a whole-model vector is already homogeneous, so there is little to balance).
+Measurements (bytes against raw ints, zstd, zlib and a static table; coding time; load balance of
+``balanced_bounds``): docs/results.md.
 """
 
 from __future__ import annotations

@@ -6,11 +6,28 @@ bf16 is the same with ``torch.bfloat16`` (torch's ``bf16_compress_hook`` refuses
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from gradsync.compressors.base import Compressor, Ctx, Payload
+
+#: Names of the narrow floating wire dtypes (COVAP's ``cast``, the AMP names) and their dtypes.
+CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+CASTS = tuple(CAST_DTYPES)
+
+
+def cast_dtype(cast: Optional[str]) -> Optional[torch.dtype]:
+    """The wire dtype a ``cast`` option selects (``None``: no cast).
+
+    Raises:
+        ValueError: if ``cast`` is not one of fp16, bf16 or None.
+    """
+    if cast is None:
+        return None
+    if cast not in CAST_DTYPES:
+        raise ValueError(f"cast must be one of {', '.join(CASTS)} or None; got {cast!r}")
+    return CAST_DTYPES[cast]
 
 
 class CastCompressor(Compressor):
@@ -29,12 +46,7 @@ class CastCompressor(Compressor):
 
     name = "cast"
     aggregation = "allreduce"
-    _DTYPES = {
-        "fp16": torch.float16,
-        "bf16": torch.bfloat16,
-        torch.float16: torch.float16,
-        torch.bfloat16: torch.bfloat16,
-    }
+    _DTYPES = {**CAST_DTYPES, **{d: d for d in CAST_DTYPES.values()}}
 
     def __init__(self, dtype: Any = torch.float16, seed: int = 0):
         super().__init__(seed)

@@ -37,11 +37,6 @@ class CovapDiscount:
         self.lam0 = check_float("lam0", lam0, 0.0, 1.0)
         self.ramp_steps = check_int("ramp_steps", ramp_steps, 1)
 
-    @classmethod
-    def for_ratio(cls, ratio: int) -> "CovapDiscount":
-        """The reference code's constants for K = ``ratio``."""
-        return cls(*default_ramp(ratio))
-
     def __call__(self, step: int) -> float:
         return min(1.0, self.lam0 + 0.1 * step / self.ramp_steps)
 

@@ -82,6 +82,25 @@ def import_torchvision_first() -> None:
         torchvision_models()
 
 
+def framework_attribute(module: str, public: str, name: str) -> Any:
+    """Attribute ``name`` of the framework-specific module ``module`` (e.g. ``lightning_callback``),
+    imported at first use by the public module ``public``'s ``__getattr__`` (PEP 562), so importing
+    ``public`` has no side effect; torchvision is made importable first
+    (:func:`import_torchvision_first`), then the module imports its framework.
+
+    Raises:
+        AttributeError: for a ``name`` the module does not define.
+        ImportError: if the framework is not installed (naming ``pip install 'gradsync[integrations]'``).
+    """
+    import importlib
+
+    import_torchvision_first()
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name, None)
+    if value is None:
+        raise AttributeError(f"module {public!r} has no attribute {name!r}")
+    return value
+
+
 def find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
     """The ``DistributedDataParallel`` inside ``model``: ``model`` itself, or the module under
     ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``) wrappers; ``None`` if there is none."""
@@ -167,4 +186,4 @@ def load_hook_state(algorithm: str, state: Any, payload: dict[str, Any],
     state.load_state_dict(entry)
 
 
-__all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "import_torchvision_first", "gather_hook_state", "load_hook_state"]
+__all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "framework_attribute", "import_torchvision_first", "gather_hook_state", "load_hook_state"]

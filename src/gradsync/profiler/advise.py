@@ -26,13 +26,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..comm.buckets import bucket_overlap_warning
 from ..sim.costmodel import Network
 from ..sim.engine import simulate
 from ..sim.plans import AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16Plan, PowerSGDPlan, TopKPlan
 from ..sim.profile import Profile, ProfileBucket, load_profile
 from ..validation import check_float, check_int
 from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost
-from .ccr import bucket_overlap_warning
 from .profile import ccr_at
 
 __all__ = ["Advice", "Prediction", "advise", "candidates", "train_command", "CASTS", "LOW_CCR", "MIN_GAIN"]
@@ -67,8 +67,7 @@ def _as_run(prof: Profile, entry: str) -> Profile:
     """``prof`` as ``entry`` runs it: one bucket, ready at the end of backward, for algorithms
     gradsync runs on one DDP bucket (the registry's ``single_bucket``: PowerSGD); 2-byte elements
     for COVAP's 16-bit shards (``cast``)."""
-    from ..algorithms import REGISTRY
-    from ..bench.config import parse_entry
+    from ..algorithms import REGISTRY, parse_entry
 
     name, options = parse_entry(entry)
     if REGISTRY[name].single_bucket and len(prof.buckets) > 1:
@@ -231,11 +230,9 @@ def train_command(entry: str, bucket_cap_mb: float | None = None) -> str:
     hook algorithms that use DDP's buckets (not DeAR's fusion groups, not one-bucket PowerSGD).
 
     Raises:
-        ValueError: for an entry :func:`gradsync.bench.config.parse_entry` refuses.
+        ValueError: for an entry :func:`gradsync.algorithms.parse_entry` refuses.
     """
-    from ..bench.config import parse_entry
-
-    from ..algorithms import REGISTRY
+    from ..algorithms import REGISTRY, parse_entry
 
     name, options = parse_entry(entry)
     flags = [f"--algorithm {name}"] + [f"--{k.replace('_', '-')} {v}" for k, v in options.items()]

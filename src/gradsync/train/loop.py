@@ -18,7 +18,8 @@ from ..algorithms import BuildContext, Precision, build
 from ..algorithms.base import compression_ratio
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
-from ..profiler.ccr import bucket_overlap_warning, measure_ccr, resolve_bucket_cap_mb
+from ..comm.buckets import bucket_overlap_warning, resolve_bucket_cap_mb
+from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..profiler.stragglers import gather_stragglers
 from ..workloads import get_workload, load_data
@@ -241,8 +242,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     summary.update(workload.extra_metrics(summary["test_loss"], summary["test_accuracy"]))
     if ccr is not None:
         summary.update(ccr=ccr.ccr, ccr_allreduce_s=ccr.allreduce_s)
-    if "ratio" in stats:
-        summary["ratio"] = stats["ratio"]
+    if "covap_k" in stats:
+        summary["ratio"] = stats["covap_k"]
     summary["bucket_cap_mb"] = bucket_cap_mb
     if bucket_warning is not None:
         summary["bucket_warning"] = bucket_warning
@@ -258,7 +259,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
 def _bucket_warning(algorithm: str, dp: Any, rank: int) -> str | None:
     """The warning when DDP's buckets (after the warm-up's rebuild) are too few for ``algorithm``'s
     compression to overlap with the backward pass (the hook's own, e.g. COVAP's, else
-    :func:`~gradsync.profiler.ccr.bucket_overlap_warning`; logged once on rank 0); ``None`` for
+    :func:`~gradsync.comm.buckets.bucket_overlap_warning`; logged once on rank 0); ``None`` for
     dense all-reduce, DeAR (no DDP buckets) and one-bucket algorithms."""
     from ..algorithms import get
     from ..algorithms.synchroniser import HookSynchroniser

@@ -5,7 +5,7 @@ Distributed Deep Learning with Fine-Grained All-Reduce Pipelining", arXiv 2302.1
 fusion: consecutive layers are merged into one reduce-scatter / all-gather until a size threshold).
 
 This module only decides *what* is communicated together; the pipeline that fills, reduces and
-applies the buffers is :class:`gradsync.algorithms.dear.DeAR`.
+applies the buffers is :class:`gradsync.algorithms.dear.DeAR` (:mod:`.pipeline`).
 
 * :func:`trainable_modules` lists the modules that own trainable parameters directly, in registration
   order (taken as forward order); a parameter shared by several modules belongs to its first owner.
@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 MB = 2**20
+#: largest tensor-fusion threshold ``fusion_mb`` accepted (MB)
+MAX_FUSION_MB = 1_000_000.0
 
 ModuleParams = tuple[nn.Module, list[nn.Parameter]]
 

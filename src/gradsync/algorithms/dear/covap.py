@@ -17,23 +17,21 @@ DeAR has no bucket rebuild, so compression starts at iteration 0. If the fusion 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from ..compressors.covap_shards import MAX_RATIO
-from ..feedback.finite import FiniteGuard
-from ..options import option
-from .covap import CASTS, CovapFilter, cast_dtype
-from .dear import StridedShard
-from .dear_options import DearOptions
-from .spec import wrapper_algorithm
+from ...compressors.cast import cast_dtype
+from ...compressors.covap_shards import MAX_RATIO
+from ...feedback.finite import FiniteGuard
+from ..covap import CovapFilter
+from ..protocol import Algorithm
+from .backward import StridedShard
 
 log = logging.getLogger(__name__)
 
 
-class CovapGradFilter:
+class CovapGradFilter(Algorithm):
     """``grad_filter`` for :class:`~gradsync.algorithms.dear.DeAR` applying COVAP per fusion group.
 
     Args:
@@ -86,7 +84,7 @@ class CovapGradFilter:
         self.filter.set_ratio(ratio)
 
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {"ratio": float(self.filter.ratio), "covap_k": self.filter.ratio}
+        return {"covap_k": self.filter.ratio}
 
     def config(self) -> dict[str, Any]:
         return {**{"covap_" + k if k == "ratio" else k: v for k, v in self.filter.config().items()},
@@ -134,21 +132,3 @@ class CovapGradFilter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.filter.load_state_dict(state)
-
-
-@dataclass(frozen=True)
-class DearCovapOptions(DearOptions):
-    """Options of ``dear-covap``."""
-
-    OWNER = "dear-covap"
-    ratio: int | str = option(3, "COVAP compression ratio K: each gradient element is sent once every K iterations; "
-                              "'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
-    max_ratio: int = option(MAX_RATIO, "largest K that 'auto' may choose", low=1, high=MAX_RATIO)
-    cast: Optional[str] = option(None, "reduce-scatter and all-gather the selected shards as fp16 or bf16 "
-                                 "(rounding error kept in the error-feedback residual); default: the parameters' "
-                                 "dtype", choices=CASTS)
-
-
-SPEC = wrapper_algorithm("dear-covap", "COVAP's filter inside DeAR's pipeline: only the selected shards are "
-                         "reduce-scattered and all-gathered (gradsync)", DearCovapOptions,
-                         lambda opts, ctx: CovapGradFilter(opts.ratio, opts.max_ratio, opts.cast))

@@ -38,8 +38,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..compressors.covap_shards import MAX_RATIO, ratio_for_ccr
-from ..validation import check_float, check_int
+from ...compressors.covap_shards import MAX_RATIO, ratio_for_ccr
+from ...validation import check_float, check_int
 
 
 @dataclass(frozen=True)

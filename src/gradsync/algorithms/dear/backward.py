@@ -1,0 +1,191 @@
+"""DeAR's backward stage: fill the fusion buffers, reduce-scatter them, average the shards.
+
+A post-accumulate-grad hook copies each gradient into its group's flat buffer and replaces ``p.grad``
+by a placeholder (:mod:`~gradsync.algorithms.dear.guard`); when every parameter of a group is
+ready its reduce-scatter is launched, in descending group order on every rank (Zhang et al., arXiv
+2302.12445, Sec. 3: wait-free back-propagation). An optional ``grad_filter`` (e.g. dear-covap) sees
+each group's flat gradient first and may drop it, replace it or ask for a :class:`StridedShard`.
+:class:`ReduceScatterStage` is a base of :class:`~gradsync.algorithms.dear.DeAR`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..base import count_bytes, count_dense
+from .groups import FusionGroup
+from .guard import DeARGradPlaceholder, is_placeholder
+
+#: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
+GradFilter = Callable[[torch.Tensor, int, int], Any]
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """A ``grad_filter`` result asking DeAR to reduce-scatter / all-gather only the elements
+    ``flat[start::stride]`` of a group, whose values to send are ``values`` (1-D,
+    ``len(range(start, numel, stride))`` elements, the group's dtype or a narrower floating dtype
+    such as float16 to communicate in). The other positions get a zero averaged gradient. Only this
+    compact tensor (plus the used flags and padding, in ``values``' dtype) is communicated.
+    ``averaged``: ``values`` are already divided by the world size (a narrow wire dtype whose sum
+    must not overflow, as torch's ``fp16_compress_hook`` divides first); the used flags are then
+    divided too and the reduced sum is not divided again."""
+
+    start: int
+    stride: int
+    values: torch.Tensor
+    averaged: bool = False
+
+
+class ReduceScatterStage:
+    """Gradient hooks, reduce-scatter launches and their completion for a DeAR wrapper.
+
+    Uses the host's ``_groups``, ``_param_loc``, ``_next_launch``, ``_reduced``, ``_no_sync``,
+    ``_staged_buffers``, ``grad_filter``, ``_scaler``, ``_filtered_scaled``, ``iteration``,
+    ``world_size``, ``rank``, ``comm`` and its ``_timed()``, ``_hook_unscale()`` and
+    ``_apply_through()``.
+    """
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, as ``DistributedDataParallel.no_sync``.
+
+        Backward passes inside the context only accumulate into ``p.grad`` (no communication); the
+        first backward pass outside it adds its gradients and synchronises the sum, which the next
+        :meth:`step` averages over ranks. Usage::
+
+            with dear.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(dear(x), y).backward()
+            loss_fn(dear(*micro_batches[-1]), ...).backward()
+            dear.step()
+        """
+        old = self._no_sync
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = old
+
+    def _grad_hook(self, p: torch.Tensor) -> None:
+        self._staged_buffers = None  # a backward started: later forwards keep their local buffers
+        if self._no_sync:
+            return
+        k, slot = self._param_loc[id(p)]
+        g = self._groups[k]
+        if g.ready[slot] or g.launched or self._reduced:
+            raise RuntimeError(
+                "DeAR: a second backward pass before step(); accumulate gradients with DeAR.no_sync()"
+            )
+        if p.grad is None or is_placeholder(p.grad):
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError("DeAR does not support sparse gradients")
+        off = g.offsets[slot]
+        g.grad_buf[off:off + p.numel()].copy_(p.grad.reshape(-1))
+        g.grad_buf[g.numel + slot] = 1.0
+        p.grad = DeARGradPlaceholder(p)  # the local gradient is consumed; misuse now raises
+        g.ready[slot] = True
+        g.n_ready += 1
+        if g.n_ready == len(g.params):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch >= 0 and self._groups[self._next_launch].n_ready == len(
+            self._groups[self._next_launch].params
+        ):
+            self._launch_rs(self._groups[self._next_launch])
+            self._next_launch -= 1
+
+    def _launch_rs(self, g: FusionGroup) -> None:
+        for slot, ok in enumerate(g.ready):  # params without a gradient on this rank send zeros
+            if not ok:
+                off = g.offsets[slot]
+                g.grad_buf[off:off + g.params[slot].numel()].zero_()
+                g.grad_buf[g.numel + slot] = 0.0
+        g.launched = True
+        g.all_used = all(g.ready)
+        g.skipped = False
+        g.unscaled = False
+        g.sel = None
+        count_dense(self, g.nbytes, self.world_size)
+        self._hook_unscale(g, g.grad_buf[: g.numel])
+        if self.grad_filter is not None:
+            self._filtered_scaled |= self._scaler is None
+            with self._timed("compress_seconds"):
+                self._run_filter(g)
+            if g.skipped:
+                self.buckets_skipped += 1
+                return
+        src, dst = (g.c_in, g.c_shard) if g.sel is not None else (g.grad_buf, g.shard)
+        g.rs_work = self.comm.reduce_scatter_async(dst, src)
+        count_bytes(self, src.numel() * src.element_size(), "reduce_scatter", self.world_size)
+
+    def _run_filter(self, g: FusionGroup) -> None:
+        """Call the ``grad_filter`` on ``g``'s flat gradient and apply its answer to ``g``."""
+        flat = g.grad_buf[: g.numel]
+        out = self.grad_filter(flat, self.iteration, g.index)
+        if out is False:
+            g.skipped = True
+        elif isinstance(out, StridedShard):
+            self._compact(g, out)
+        elif isinstance(out, torch.Tensor):
+            if out.shape != flat.shape:
+                raise RuntimeError(f"grad_filter returned shape {tuple(out.shape)}, expected {tuple(flat.shape)}")
+            flat.copy_(out)
+
+    def _compact(self, g: FusionGroup, sel: StridedShard) -> None:
+        """Pack ``sel.values`` and the used flags into compact buffers padded to a multiple of P."""
+        m = len(range(sel.start, g.numel, sel.stride))
+        if sel.values.shape != (m,):
+            raise RuntimeError(f"StridedShard.values has shape {tuple(sel.values.shape)}, expected ({m},)")
+        n_flags = len(g.params)
+        if not sel.values.is_floating_point():
+            raise RuntimeError(f"StridedShard.values must be floating point, got {sel.values.dtype}")
+        padded = -(-(m + n_flags) // self.world_size) * self.world_size
+        wire, dev = sel.values.dtype, g.grad_buf.device
+        g.c_in = torch.zeros(padded, dtype=wire, device=dev)
+        g.c_in[:m] = sel.values
+        g.c_in[m:m + n_flags] = g.grad_buf[g.numel:g.numel + n_flags]
+        if sel.averaged:
+            g.c_in[m:m + n_flags].div_(self.world_size)
+        g.c_shard = torch.zeros(padded // self.world_size, dtype=wire, device=dev)
+        g.c_out = torch.zeros(padded, dtype=wire, device=dev)
+        g.sel = sel
+
+    def _finish_reduce(self) -> None:
+        """Launch the missing reduce-scatters, wait for all, average the shards (idempotent)."""
+        if self._reduced:
+            return
+        self._apply_through(len(self._groups) - 1)  # leftovers of the previous update
+        while self._next_launch >= 0:  # finalisation: same order on every rank
+            self._launch_rs(self._groups[self._next_launch])
+            self._next_launch -= 1
+        with self._timed("rs_wait_seconds"):
+            for g in reversed(self._groups):
+                if g.rs_work is not None:
+                    g.rs_work.wait()
+                    g.rs_work = None
+        for g in self._groups:
+            if g.skipped:
+                g.gathered.zero_()
+                g.gathered[g.numel: g.numel + len(g.params)] = 1.0
+            elif g.sel is None:
+                g.shard.div_(self.world_size)
+            elif not g.sel.averaged:
+                g.c_shard.div_(self.world_size)
+            g.ready = [False] * len(g.params)
+            g.n_ready = 0
+            g.launched = False
+        self._next_launch = len(self._groups) - 1
+        self._reduced = True
+
+    def _live_shards(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient values of every sent group (views; may be empty)."""
+        return [g.shard_grads(self.rank, self.world_size) for g in self._groups if not g.skipped]
+

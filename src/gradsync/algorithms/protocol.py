@@ -1,0 +1,68 @@
+"""The one protocol of a gradsync algorithm's state, with defaults.
+
+An algorithm is a :class:`Algorithm` object plus the way it reaches the gradients: a DDP
+communication hook (the state is a :class:`~gradsync.algorithms.base.HookState`, registered with
+``ddp.register_comm_hook(state, hook)``) or DeAR's pipeline (the object is DeAR's ``grad_filter``,
+e.g. :class:`~gradsync.algorithms.dear.CovapGradFilter`, or the plain :class:`Algorithm` for
+``dear``). The :class:`~gradsync.algorithms.synchroniser.Synchroniser` that runs it calls only the
+methods below, never probes for attributes; an algorithm overrides what it has.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+
+class Algorithm:
+    """Defaults of the algorithm protocol: no settings from the CCR, nothing to log, report, save or
+    release, no recorded bucket layout, the parameters' dtype on the wire."""
+
+    #: True when the algorithm chooses a setting from the measured CCR (then :meth:`calibrate` is called).
+    needs_ccr: bool = False
+
+    @property
+    def wire_dtype(self) -> Optional[torch.dtype]:
+        """The dtype the algorithm puts on the wire when it casts (COVAP's ``cast``), for timing the
+        CCR in that dtype; ``None``: the parameters' dtype."""
+        return None
+
+    def calibrate(self, ccr: float) -> dict[str, Any]:
+        """Receive the all-reduced communication-to-computation ratio (dense all-reduce seconds /
+        backward seconds, identical on every rank); return what was chosen from it (default ``{}``)."""
+        return {}
+
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        """Receive the finished step's wall-clock ``seconds`` and this rank's ``samples`` (every rank,
+        every step); return per-step figures worth logging (default ``{}``)."""
+        return {}
+
+    def bucket_numels(self) -> Optional[list[int]]:
+        """Elements per bucket of the layout the algorithm recorded (COVAP), in reduction order, or
+        ``None`` (default) when it keeps none: the runner's own bucket sizes apply."""
+        return None
+
+    def rollback(self) -> None:
+        """Undo this iteration's state changes: called on every rank when the step is skipped
+        (GradScaler found inf/nan, all-reduced) by runners that decide it after the algorithm ran
+        (DeAR's pipeline). Default: nothing to undo."""
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative statistics of this rank (default ``{}``)."""
+        return {}
+
+    def config(self) -> dict[str, Any]:
+        """Configuration fields that must be identical on every rank (default ``{}``)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state (default ``{}``)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s result (default: nothing)."""
+
+    def close(self) -> None:
+        """Release what the algorithm attached (hooks, threads) at the end of training; the object
+        stays readable (:meth:`stats`). Default: nothing."""
