@@ -95,9 +95,60 @@ def test_named_layouts_move_residuals_between_buckets():
     # after resuming, one bucket holding "b" then "a"
     x = fresh.compensate(torch.zeros(12), 0, layout=(("b", 4), ("a", 8)))
     assert torch.equal(x, torch.cat([eb, ea]))
-    assert fresh.residuals == {} and fresh._pool == {}
+    assert fresh.residuals == {} and fresh.stale == ({}, {})
     # unnamed layouts cannot be re-sliced: dropped
     mem2 = ResidualMemory()
     mem2.update(0, torch.ones(4), torch.zeros(4))
     mem2.layouts[0] = ((2,), (2,))
     assert torch.equal(mem2.compensate(torch.zeros(4), 0, layout=((4,),)), torch.zeros(4))
+
+
+def test_stale_buckets_split_between_new_buckets_and_old_pool_checkpoints_load():
+    gen = torch.Generator().manual_seed(3)
+    ea, eb, ec = (torch.randn(n, generator=gen) for n in (3, 5, 2))
+    mem = ResidualMemory()
+    mem.store(0, torch.cat([ea, eb]))
+    mem.layouts[0] = (("a", 3), ("b", 5))
+    mem.store(1, ec)
+    mem.layouts[1] = (("c", 2),)
+    total = float(mem.total())
+    # the new layout splits bucket 0 over two buckets: each takes its parameters, the rest waits
+    x = mem.compensate(torch.zeros(7), 0, layout=(("c", 2), ("b", 5)))
+    assert torch.equal(x, torch.cat([ec, eb]))
+    assert list(mem.stale[1].values()) == [(("a", 3),)]
+    mem.store(0, x)  # what was taken is in the new bucket only: no residual counted twice or lost
+    assert abs(float(mem.total()) - total) < 1e-5
+    assert torch.equal(mem.compensate(torch.zeros(3), 1, layout=(("a", 3),)), ea)
+    assert mem.stale == ({}, {})
+    # a checkpoint from before the one store keeps per-parameter residuals in "pool"
+    old = {"beta": 1.0, "gamma": 1.0, "residuals": {}, "layouts": {}, "pool": {"a": ea, "c": ec}}
+    fresh = ResidualMemory()
+    fresh.load_state_dict(old)
+    assert torch.equal(fresh.compensate(torch.zeros(5), 0, layout=(("a", 3), ("c", 2))), torch.cat([ea, ec]))
+
+
+def test_read_and_write_by_name_keep_the_recorded_buckets_and_the_snapshot():
+    mem = ResidualMemory()
+    mem.layouts.update({0: (("a", 2), ("b", 3)), 1: (("c", 4),)})
+    mem.store(0, torch.arange(5.0))
+    saved = mem.snapshot()
+    e = mem.read((("c", 4), ("b", 3)))
+    assert e[0] is None and torch.equal(e[1], torch.tensor([2.0, 3.0, 4.0]))
+    mem.write((("c", 4), ("b", 3)), -torch.arange(1.0, 8.0))
+    assert torch.equal(mem.residuals[0], torch.tensor([0.0, 1.0, -5.0, -6.0, -7.0]))
+    assert torch.equal(mem.residuals[1], -torch.arange(1.0, 5.0))
+    assert mem.index() == {"a": (0, 0, 2), "b": (0, 2, 3), "c": (1, 0, 4)}
+    mem.restore(saved)  # a rolled-back step sees none of the writes
+    assert torch.equal(mem.residuals[0], torch.arange(5.0)) and 1 not in mem.residuals
+
+
+def test_memory_pickled_with_a_pool_loads():
+    import pickle
+
+    mem = ResidualMemory()
+    legacy = dict(mem.__dict__)
+    del legacy["stale"]
+    legacy["_pool"] = {"a": torch.ones(2)}
+    old = ResidualMemory.__new__(ResidualMemory)
+    old.__setstate__(pickle.loads(pickle.dumps(legacy)))
+    assert torch.equal(old.compensate(torch.zeros(2), 0, layout=(("a", 2),)), torch.ones(2))

@@ -72,7 +72,7 @@ def sent_at(state, step: int):
     """Whether COVAP's plan sends the injected element at ``step`` (None for other algorithms)."""
     if not hasattr(state, "filter"):
         return None
-    b, off = state.param_index()[PARAM]
+    b, off, _ = state.filter.memory.index()[PARAM]
     plan = state.filter.plan
     return plan.selected_shard(b, step) == (off + ELEMENT) % plan.shards[b]
 

@@ -75,7 +75,6 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     if t < state.start_iter:
         if state._layout_iter != t:  # keep only this iteration's layout (DDP may
             state.layouts.clear()                      # rebuild into fewer buckets)
-            state._param_index = None
             state._layout_iter = t
         state.layouts[index] = layout
         if bucket.is_last() and t == state.start_iter - 1:  # the layout compression will run on
@@ -88,8 +87,8 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
                                f"from the one recorded during warm-up; the bucket layout changed")
         state.filter.plan_for(state.recorded_numels())
         state.filter.residuals_to(buf.device)
-        if state.param_names is not None and _is_named(layout) and all(
-                name in state.param_index() for name, _ in layout):
+        recorded = state.filter.memory.index()
+        if state.param_names is not None and _is_named(layout) and all(name in recorded for name, _ in layout):
             return _remapped_bucket(state, bucket, layout)
         log.warning("COVAP: DDP has not rebuilt its buckets since the state was restored and the state has no "
                     "parameter names (pass model=); bucket %d is all-reduced densely this iteration", index)
@@ -165,31 +164,29 @@ def _decide(state: CovapState, bucket: dist.GradBucket, fut: torch.futures.Futur
 
 def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) -> torch.futures.Future:
     """COVAP on a bucket whose layout is not the recorded one (a fresh DDP before its bucket rebuild):
-    every parameter is found in the recorded layout by name, so each element gets exactly the error
-    feedback and the send decision it would have had in its recorded bucket; the selected elements
-    of all parameters of this bucket travel in one all-reduce."""
+    every parameter's residual is read from and written to its recorded bucket by name (the residual
+    memory's :meth:`~gradsync.feedback.residual.ResidualMemory.read` / ``write``), so each element
+    gets exactly the error feedback and the send decision it would have had there; the selected
+    elements of all parameters of this bucket travel in one all-reduce."""
     buf = bucket.buffer()
     t = state.iteration
     plan = state.filter.plan
     memory = state.filter.memory
     lam = state.filter.discount(t - state.start_iter)
-    where = state.param_index()
+    where = memory.index()
     state.remapped_buckets += 1
-    sends, positions = [], []
+    sends, positions, parts = [], [], []
     send_dtype = state.send_dtype(buf)
     world = state.world_size
     guard = state.finite_guard
     guard.begin(t, state._snapshot)
     with state.compression_timer():
         cur = 0
-        for name, n in layout:
-            b, off = where[name]
+        for (name, n), e in zip(layout, memory.read(layout)):
+            b, off, _ = where[name]
             x = buf[cur:cur + n].to(torch.float32, copy=True)
-            if b in memory.residuals:
-                e = guard.copy_on_write(memory.residuals, b)  # written in place below
-                x.add_(e[off:off + n], alpha=lam)
-            else:
-                e = memory.residuals[b] = torch.zeros(plan.numels[b], dtype=torch.float32, device=buf.device)
+            if e is not None:
+                x.add_(e, alpha=lam)
             shard = plan.selected_shard(b, t)
             if shard is not None:
                 c = plan.shards[b]
@@ -198,8 +195,9 @@ def _remapped_bucket(state: CovapState, bucket: dist.GradBucket, layout: Any) ->
                 sends.append(sent)
                 positions.append(torch.arange(cur + first, cur + n, c, device=buf.device))
             guard.check(x)
-            e[off:off + n] = x
+            parts.append(x)
             cur += n
+        memory.write(layout, torch.cat(parts), guard.copy_on_write)
     if not sends:
         return _send(state, bucket, None, None)
     send = torch.cat(sends)

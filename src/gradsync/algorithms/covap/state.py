@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ...compressors.cast import cast_dtype
 from ...compressors.covap_shards import MAX_RATIO
-from ...feedback.residual import _is_named, bucket_layout, parameter_names
+from ...feedback.residual import bucket_layout, layout_numels, parameter_names
 from ...validation import check_int
 from ..base import HookState
 from .adapt import CommTimer, RatioAdapter, StepTiming
@@ -60,7 +60,8 @@ class CovapState(HookState):
     Attributes:
         filter: the :class:`CovapFilter`.
         layouts: bucket index -> layout (parameter names and numels, or shapes) recorded during the
-            dense start-up iterations.
+            dense start-up iterations: the :attr:`~gradsync.feedback.residual.ResidualMemory.layouts`
+            of the filter's residual memory, which keeps each residual where these buckets put it.
         remapped_buckets: buckets compressed through the recorded layout after a restore, before
             DDP's bucket rebuild.
         bucket_warning: the warning of :func:`~gradsync.comm.buckets.bucket_overlap_warning` when the
@@ -106,11 +107,18 @@ class CovapState(HookState):
         self._boundary_iter = -1
         self._wire_scale = 1.0
         self.param_names = parameter_names(model) if model is not None else None
-        self.layouts: dict[int, Any] = {}
         self._awaiting_rebuild = False
         self._layout_iter: Optional[int] = None  # the iteration whose layout `layouts` holds
-        self._param_index: Optional[dict[str, tuple[int, int]]] = None
         self.remapped_buckets = 0
+
+    @property
+    def layouts(self) -> dict[int, Any]:
+        return self.filter.memory.layouts
+
+    @layouts.setter
+    def layouts(self, value: dict[int, Any]) -> None:
+        self.filter.memory.layouts.clear()
+        self.filter.memory.layouts.update(value)
 
     @property
     def ratio(self) -> int:
@@ -226,23 +234,11 @@ class CovapState(HookState):
 
     def recorded_numels(self) -> list[int]:
         """Elements per bucket of the recorded layout, in bucket order."""
-        return [sum(_numels(self.layouts[i])) for i in range(len(self.layouts))]
+        return [sum(layout_numels(self.layouts[i])) for i in range(len(self.layouts))]
 
     def bucket_numels(self) -> Optional[list[int]]:
         """:meth:`recorded_numels` once a layout was recorded, else ``None`` (DDP's buckets apply)."""
         return list(self.recorded_numels()) if self.layouts else None
-
-    def param_index(self) -> dict[str, tuple[int, int]]:
-        """Parameter name -> (recorded bucket index, element offset in it), for named layouts."""
-        if self._param_index is None:
-            self._param_index = {}
-            for b, layout in self.layouts.items():
-                off = 0
-                for item in layout:
-                    if _is_named((item,)):
-                        self._param_index[item[0]] = (b, off)
-                    off += _numels((item,))[0]
-        return self._param_index
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "covap", "start_iter": self.start_iter, **self.filter.config(),
@@ -277,15 +273,21 @@ class CovapState(HookState):
         d["_forward_handle"] = None  # a hook handle belongs to this process's module
         return d
 
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        legacy = d.pop("layouts", None)  # states pickled before the layouts moved into the memory
+        d.pop("_param_index", None)
+        super().__setstate__(d)
+        if legacy:
+            self.layouts = legacy
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`. A fresh DDP has not rebuilt its buckets yet: until its
         layout equals the recorded one, each parameter is compressed exactly as in its recorded bucket
         (found by name, so the run continues as if uninterrupted); without parameter names
         (``model`` not given) those buckets are all-reduced densely and the residuals wait."""
         super().load_state_dict(state)
-        self.layouts = {int(k): v for k, v in state["layouts"].items()}
-        self._param_index = None
         self.filter.load_state_dict(state["filter"])
+        self.layouts = {int(k): v for k, v in state["layouts"].items()}
         if self.adapter is not None and "adapter" in state:
             self.adapter.load_state_dict(state["adapter"])
         if self.timer is not None:
@@ -293,16 +295,3 @@ class CovapState(HookState):
         self._boundary_iter = -1
         self._awaiting_rebuild = True
 
-
-def _numels(layout: Any) -> list[int]:
-    """Element counts of the parameters in a bucket layout (named or shape tuples)."""
-    out = []
-    for item in layout:
-        if len(item) == 2 and isinstance(item[0], str):
-            out.append(int(item[1]))
-        else:
-            size = 1
-            for d in item:
-                size *= int(d)
-            out.append(size)
-    return out
