@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.workloads import WORKLOADS, Workload, describe_all, get_workload
+from gradsync.workloads import WORKLOADS, Recipe, describe_all, get_workload
 from gradsync.workloads.vision import SMALL_INPUT_MODELS, build, imagenet_profile_target, torchvision_models
 
 from distributed import run_ranks
@@ -137,7 +137,10 @@ def test_make_optimizer():
         with pytest.raises(ValueError, match=arg):
             get_workload("fashion-mnist").make_optimizer(p, **kwargs)
     with pytest.raises(ValueError, match="optimizer must be one of sgd, adamw"):
-        Workload("x", None, None, None, optimizer="adam")
+        Recipe(batch_size=64, epochs=1, lr=0.1, optimizer="adam")
+    for bad in ({"warmup_fraction": 1.0}, {"lr": 0.0}, {"momentum": 1.0}, {"epochs": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Recipe(**{"batch_size": 64, "epochs": 1, "lr": 0.1, **bad})
 
 
 def test_describe_matches_the_models_and_the_docstring():
