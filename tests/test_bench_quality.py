@@ -74,20 +74,20 @@ def test_to_quality_config_is_validated():
 def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     proc = run_cli(
         ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms",
-         "allreduce,fp16", "--seeds", "0,1", "--to-quality", "--epochs", "2", "--train-samples", "640",
-         "--eval-every", "3", "--eval-samples", "500", "--out", str(tmp_path)],
+         "allreduce,fp16", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
+         "--eval-every", "2", "--eval-samples", "200", "--out", str(tmp_path)],
         timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     q = json.loads((tmp_path / "bench.json").read_text())["quality"]
     assert {"target", "target_from", "higher_is_better", "seeds", "entries", "metric", "budget_steps", "epochs",
             "train_samples", "warmup_fraction", "curves"} <= set(q)
-    assert q["budget_steps"] == 10 and q["seeds"] == [0, 1] and q["target_from"] == "allreduce"
+    assert q["budget_steps"] == 4 and q["seeds"] == [0, 1] and q["target_from"] == "allreduce"
     for name in ("allreduce", "fp16"):
         e = q["entries"][name]
         assert {"final_by_seed", "final_mean", "seconds_by_seed", "steps_by_seed", "olympic_mean_s", "median_s",
                 "spread_s", "wins"} <= set(e)
-        # evaluations at steps 3, 6, 9 and the end of the budget, on every seed
-        assert [[p[0] for p in c] for c in q["curves"][name]] == [[3, 6, 9, 10]] * 2
+        # evaluations every 2 steps, the last at the end of the budget, on every seed
+        assert [[p[0] for p in c] for c in q["curves"][name]] == [[2, 4]] * 2
         assert all(0 < p[2] <= 1 and p[1] > 0 for c in q["curves"][name] for p in c)
     finals = q["entries"]["allreduce"]["final_by_seed"]
     assert q["target"] == pytest.approx(sum(finals) / 2 - 0.005)

@@ -231,3 +231,20 @@ def test_truncated_or_damaged_idx_file_names_the_file(tmp_path):
     bad.write_bytes(b"not gzip at all")
     with pytest.raises(DatasetCorrupt, match=f"{bad}: truncated or damaged gzip file"):
         read_idx(bad)
+
+
+def test_recipes_are_the_defaults_of_train_and_bench_and_flags_override_them():
+    from gradsync.bench.config import BenchConfig
+    from gradsync.train.config import TrainConfig
+
+    for name, w in WORKLOADS.items():
+        r, cfg, bench = w.recipe, TrainConfig(workload=name), BenchConfig(workload=name)
+        assert (cfg.batch_size, cfg.epochs, cfg.lr, cfg.warmup_fraction, cfg.weight_decay, cfg.momentum,
+                cfg.train_samples) == (r.batch_size, r.epochs, r.lr, r.warmup_fraction, r.weight_decay, r.momentum,
+                                       r.train_samples)
+        assert (bench.batch_size, bench.epochs, bench.lr, bench.train_samples) == (r.batch_size, r.epochs, r.lr,
+                                                                                     r.train_samples)
+    cfg = TrainConfig(lr=0.02, momentum=0.0, warmup_fraction=0.3, batch_size=32)
+    assert (cfg.lr, cfg.momentum, cfg.warmup_fraction, cfg.batch_size) == (0.02, 0.0, 0.3, 32)
+    with pytest.raises(ValueError, match="warmup_fraction"):
+        TrainConfig(warmup_fraction=1.0)
