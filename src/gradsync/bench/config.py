@@ -28,8 +28,8 @@ class BenchConfig(SharedConfig):
                                    "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16)",
                                    flag="--algorithms",
                                    default_factory=lambda: ["allreduce", "fp16", "powersgd", "covap"])
-    seeds: list[int] = option(None, "seeds of the --to-accuracy runs (each algorithm trains once per seed from "
-                         "that seed's model and data order; the report gives the median and the spread); "
+    seeds: list[int] = option(None, "seeds of the --to-accuracy and --to-quality runs (each algorithm trains once "
+                         "per seed from that seed's model and data order; the report gives the median and the spread); "
                          "default: --seed", flag="--seeds", default_factory=list)
     hosts: int = option(2, "emulated hosts, one rank each", low=1, high=64)
     bandwidth_mbit: Optional[float] = option(None, "link rate (None: loopback, not shaped)", low=0.1,
@@ -44,7 +44,7 @@ class BenchConfig(SharedConfig):
                                  low_open=True)
     to_accuracy: Optional[float] = option(None, "also train each algorithm until this test accuracy (0-1) and "
                                           "report the time", low=0.0, high=1.0, low_open=True)
-    eval_every: int = option(50, "steps between time-to-accuracy evaluations", low=1, high=100_000)
+    eval_every: int = option(50, "steps between the evaluations of --to-accuracy and --to-quality", low=1, high=100_000)
     max_accuracy_steps: int = option(2000, "give up on --to-accuracy after this many steps", low=1,
                                      high=10_000_000)
     to_quality: bool = option(False, "also train each entry for the recipe's whole budget once per seed and report "
