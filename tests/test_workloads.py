@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradsync.workloads import WORKLOADS, Workload, describe_all, get_workload
+from gradsync.workloads import WORKLOADS, Recipe, describe_all, get_workload
 from gradsync.workloads.vision import SMALL_INPUT_MODELS, build, imagenet_profile_target, torchvision_models
 
 from distributed import run_ranks
@@ -137,7 +137,10 @@ def test_make_optimizer():
         with pytest.raises(ValueError, match=arg):
             get_workload("fashion-mnist").make_optimizer(p, **kwargs)
     with pytest.raises(ValueError, match="optimizer must be one of sgd, adamw"):
-        Workload("x", None, None, None, optimizer="adam")
+        Recipe(batch_size=64, epochs=1, lr=0.1, optimizer="adam")
+    for bad in ({"warmup_fraction": 1.0}, {"lr": 0.0}, {"momentum": 1.0}, {"epochs": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Recipe(**{"batch_size": 64, "epochs": 1, "lr": 0.1, **bad})
 
 
 def test_describe_matches_the_models_and_the_docstring():
@@ -228,3 +231,20 @@ def test_truncated_or_damaged_idx_file_names_the_file(tmp_path):
     bad.write_bytes(b"not gzip at all")
     with pytest.raises(DatasetCorrupt, match=f"{bad}: truncated or damaged gzip file"):
         read_idx(bad)
+
+
+def test_recipes_are_the_defaults_of_train_and_bench_and_flags_override_them():
+    from gradsync.bench.config import BenchConfig
+    from gradsync.train.config import TrainConfig
+
+    for name, w in WORKLOADS.items():
+        r, cfg, bench = w.recipe, TrainConfig(workload=name), BenchConfig(workload=name)
+        assert (cfg.batch_size, cfg.epochs, cfg.lr, cfg.warmup_fraction, cfg.weight_decay, cfg.momentum,
+                cfg.train_samples) == (r.batch_size, r.epochs, r.lr, r.warmup_fraction, r.weight_decay, r.momentum,
+                                       r.train_samples)
+        assert (bench.batch_size, bench.epochs, bench.lr, bench.train_samples) == (r.batch_size, r.epochs, r.lr,
+                                                                                     r.train_samples)
+    cfg = TrainConfig(lr=0.02, momentum=0.0, warmup_fraction=0.3, batch_size=32)
+    assert (cfg.lr, cfg.momentum, cfg.warmup_fraction, cfg.batch_size) == (0.02, 0.0, 0.3, 32)
+    with pytest.raises(ValueError, match="warmup_fraction"):
+        TrainConfig(warmup_fraction=1.0)

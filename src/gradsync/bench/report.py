@@ -60,8 +60,9 @@ def print_table(result: dict[str, Any], label: str) -> None:
 def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
     """Write ``bench.json``, ``breakdown.png`` (stacked compute / compression / exposed communication
     per algorithm), with time-to-accuracy data ``accuracy.png`` (test accuracy against training
-    seconds, one line per algorithm and seed) and, when a row logs COVAP's ratio per step (``covap_k``), ``ratio.png`` (K per timed
-    step, rounds one after another); only the JSON where matplotlib (the ``bench`` extra) is missing."""
+    seconds, one line per algorithm and seed), with ``--to-quality`` data ``quality.png`` (quality against
+    training seconds, one line per entry and seed, the target dashed) and, when a row logs COVAP's ratio
+    per step (``covap_k``), ``ratio.png`` (K per timed step, rounds one after another); only the JSON where matplotlib (the ``bench`` extra) is missing."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "bench.json"]
@@ -95,6 +96,18 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.set_xlabel("training wall-clock time (s, evaluation excluded)")
         ax.set_ylabel("test accuracy (%)")
         paths.append(_save(fig, ax, out / "accuracy.png"))
+    if "quality" in result:
+        q = result["quality"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        scale = 100 if q["higher_is_better"] else 1
+        for i, (name, per_seed) in enumerate(q["curves"].items()):
+            for j, curve in enumerate(per_seed):  # one line per seed, the first labelled
+                ax.plot([c[1] for c in curve], [c[2] * scale for c in curve], "o-", ms=3, color=f"C{i}",
+                        alpha=1.0 if j == 0 else 0.45, label=name if j == 0 else None)
+        ax.axhline(q["target"] * scale, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel("training wall-clock time (s, evaluation excluded)")
+        ax.set_ylabel(f"{q['metric']}" + (" (%)" if q["higher_is_better"] else ""))
+        paths.append(_save(fig, ax, out / "quality.png"))
     if any(r.get("covap_k") for r in rows):
         steps = result["config"]["steps"]
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -217,4 +230,63 @@ def print_accuracy_table(result: dict[str, Any], label: str) -> None:
                       f"{r['iteration_ms']:.1f}", f"{r['scaling_efficiency'] * 100:.0f}%",
                       fmt_bytes(r["wire_bytes_per_iteration"]),
                       "-" if r["speedup"] is None else f"{r['speedup']:.2f}x")
+    Console(width=max(Console().width, 130)).print(table)
+
+
+def _quality_text(value: float | None, higher_is_better: bool) -> str:
+    """A quality as text: accuracy (0-1) as a percentage, bits per character with 4 decimals."""
+    if value is None:
+        return "-"
+    return f"{value * 100:.2f}%" if higher_is_better else f"{value:.4f}"
+
+
+def _wins_text(wins: dict[str, list[int]]) -> str:
+    """``{"fp16": [0, 2], "powersgd": []}`` as ``"fp16 on 0,2"`` (entries with no win left out)."""
+    return "; ".join(f"{other} on {','.join(map(str, seeds))}" for other, seeds in wins.items() if seeds) or "-"
+
+
+def print_quality_table(result: dict[str, Any], label: str) -> None:
+    """Print the ``--to-quality`` summary (:func:`gradsync.bench.quality.summarise_quality`): per entry
+    the mean final quality, the seconds to the target per seed ("-" where not reached), the olympic
+    mean over >= 5 seeds (with fewer: "needs 5 seeds"), the median and spread (fastest-slowest) of the
+    seconds to the target, the median iteration time of the timed rounds (ms) and the seeds on which
+    it reached the target before each other entry.
+
+    Raises:
+        ValueError: if the run has no ``--to-quality`` data.
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    q = result.get("quality")
+    if q is None:
+        raise ValueError("table 'quality' needs --to-quality")
+    cfg, hib = result["config"], q["higher_is_better"]
+    target = _quality_text(q["target"], hib)
+    where = (f"dense ({q['target_from']}) mean final {'- 0.5 points' if hib else '+ 0.5 %'}"
+             if q["target_from"] != "absolute" else "absolute")
+    table = Table(title=f"gradsync bench: time to {q['metric']} {target} ({where}), {result['world_size']} ranks, "
+                        f"{label}",
+                  caption=(f"{cfg['workload']}: {q['budget_steps']} steps ({q['epochs']} epochs of "
+                           f"{q['train_samples']:,} samples), batch {cfg['batch_size']} per rank, one-cycle lr peak "
+                           f"{cfg['lr']:g}, warm-up {q['warmup_fraction']:g}; {q['metric']} on "
+                           + (f"the first {cfg['eval_samples']:,} test samples" if cfg.get("eval_samples")
+                              else "the full test set")
+                           + f" every {cfg['eval_every']} steps and at the end; seconds: training wall-clock "
+                           f"without evaluation; seeds {', '.join(map(str, q['seeds']))}"))
+    for col in ("entry", "final (mean)", "s to target per seed", "olympic mean s", "median s", "spread s",
+                "iteration ms", "first to target vs"):
+        table.add_column(col, justify="left" if col in ("entry", "first to target vs") else "right",
+                         overflow="fold")
+    iteration = {r["algorithm"]: r["iteration_s"]["median"] for r in result["rows"]}
+
+    def secs(v: float | None) -> str:
+        return "not reached" if v is None else f"{v:.1f}"
+
+    for name, e in q["entries"].items():
+        olympic = (secs(e["olympic_mean_s"]) if len(q["seeds"]) >= 5 else "needs 5 seeds")
+        lo, hi = e["spread_s"]
+        table.add_row(name, _quality_text(e["final_mean"], hib), "/".join(secs(s) for s in e["seconds_by_seed"]),
+                      olympic, secs(e["median_s"]), f"{secs(lo)}-{secs(hi)}",
+                      f"{iteration[name] * 1e3:.1f}" if name in iteration else "-", _wins_text(e["wins"]))
     Console(width=max(Console().width, 130)).print(table)

@@ -79,8 +79,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     def loss_fn(out, y):
         return F.cross_entropy(out, y)
 
-    def make_optimizer(params):
-        return workload.make_optimizer(params, lr=cfg.lr, momentum=0.9)
+    def make_optimizer(params):  # the recipe's optimizer settings (SGD: Nesterov momentum, L2 weight decay)
+        return workload.make_optimizer(params, lr=cfg.lr, momentum=workload.recipe.momentum,
+                                       weight_decay=workload.recipe.weight_decay)
 
     def make(name: str, model: torch.nn.Module | None = None, seed: int | None = None) -> Synchroniser:
         """A fresh copy of ``model`` (default: this run's start model) under ``--algorithms`` entry
@@ -158,6 +159,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
 
     accuracy = (_time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn)
                 if cfg.to_accuracy else {})
+    quality = (_time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn)
+               if cfg.to_quality else None)
     if rank != 0:
         return None
     compute_s = statistics.median(compute_steps)
@@ -205,6 +208,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         "chosen_from_ccr": chosen,
         "rows": rows,
         "profile": profile.to_dict(),
+        **({"quality": quality} if quality is not None else {}),
     }
 
 
@@ -254,6 +258,74 @@ def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, los
                          else f"{cfg.to_accuracy:.0%} not reached in {steps} steps ({acc:.1%})"), flush=True)
             dp.close()
     return {name: _accuracy_summary(cfg.accuracy_seeds(), r) for name, r in runs.items()}
+
+
+def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn) -> dict[str, Any]:
+    """Train each entry of ``cfg.algorithms`` for the whole budget (``cfg.epochs`` passes over the first
+    ``cfg.train_samples`` training samples) once per seed of ``cfg.accuracy_seeds()`` with the recipe's
+    one-cycle schedule (peak ``cfg.lr``, warm-up fraction of the recipe); every entry of a seed starts
+    from the same model and sees the same batches (a fresh permutation per epoch, rank ``r`` taking
+    every world-th sample). Quality (test accuracy, or bits per character when ``cfg.higher_is_better()``
+    is False) is evaluated on the full test set (the first ``eval_samples`` when given) every
+    ``eval_every`` steps and after the last step; the evaluation is all-reduced and the step count
+    fixed, so every rank runs the same collectives.
+
+    Returns :func:`gradsync.bench.quality.summarise_quality` of the curves plus ``"metric"``,
+    ``"budget_steps"``, ``"epochs"``, ``"train_samples"``, ``"warmup_fraction"`` and ``"curves"``
+    (per entry, per seed ``[[steps, training seconds, quality], ...]``).
+    """
+    from ..train.loop import one_cycle
+    from .quality import summarise_quality
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cfg.train_samples is not None:
+        train_x, train_y = train_x[:cfg.train_samples], train_y[:cfg.train_samples]
+    if cfg.eval_samples is not None:
+        test_x, test_y = test_x[:cfg.eval_samples], test_y[:cfg.eval_samples]
+    per_epoch = train_x.shape[0] // world // cfg.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"train_samples ({train_x.shape[0]}) must give every rank at least one batch of "
+                         f"batch_size {cfg.batch_size}")
+    total = cfg.epochs * per_epoch
+    higher = cfg.higher_is_better()
+
+    def quality(dp) -> float:
+        loss, acc = evaluate(dp.module, test_x, test_y, torch.device("cpu"))
+        return acc if higher else loss / math.log(2)
+
+    curves: dict[str, list[list[list[float]]]] = {name: [] for name in cfg.algorithms}
+    for seed in cfg.accuracy_seeds():
+        torch.manual_seed(seed)
+        model = workload.make_model()
+        for name in cfg.algorithms:
+            g = torch.Generator().manual_seed(seed + 17)
+            dist.barrier()
+            dp = make(name, model, seed)
+            sched = one_cycle(dp.optimizer, cfg.lr, total, workload.recipe.warmup_fraction)
+            torch.manual_seed(seed * 1000 + rank)  # the same augmentation for every entry of the seed
+            elapsed, curve = 0.0, []
+            for epoch in range(cfg.epochs):
+                shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
+                for i in range(per_epoch):
+                    idx = shard[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+                    x = workload.augment(train_x[idx])
+                    t0 = time.perf_counter()
+                    dp.train_step(x, train_y[idx], loss_fn)
+                    sched.step()
+                    elapsed += time.perf_counter() - t0
+                    step = epoch * per_epoch + i + 1
+                    if step % cfg.eval_every == 0 or step == total:
+                        dp.flush()
+                        curve.append([step, elapsed, quality(dp)])
+            curves[name].append(curve)
+            if rank == 0:
+                print(f"seed {seed} {name}: {total} steps, {elapsed:.1f} s, final {workload.metric} "
+                      f"{curve[-1][2]:.4f}", flush=True)
+            dp.close()
+    summary = summarise_quality(curves, cfg.accuracy_seeds(), higher, cfg.quality_target, cfg.dense_entry())
+    return {**summary, "metric": workload.metric, "budget_steps": total, "epochs": cfg.epochs,
+            "train_samples": int(train_x.shape[0]), "warmup_fraction": workload.recipe.warmup_fraction,
+            "curves": curves}
 
 
 def _accuracy_summary(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:

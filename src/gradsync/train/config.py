@@ -46,13 +46,17 @@ class TrainConfig(SharedConfig):
                                               low_open=True, units="MB")
     workers: int = option(2, "local ranks on 127.0.0.1 (ignored under torchrun, which sets the world size)",
                           low=1, high=64)
-    epochs: Optional[int] = option(None, "epochs; default: the workload's", low=1, high=10_000)
-    batch_size: Optional[int] = option(None, "samples per step per rank; default: the workload's", low=1,
+    epochs: Optional[int] = option(None, "epochs; default: the workload's recipe", low=1, high=10_000)
+    batch_size: Optional[int] = option(None, "samples per step per rank; default: the workload's recipe", low=1,
                                        high=65_536)
-    lr: Optional[float] = option(None, "peak learning rate of the one-cycle schedule; default: the workload's",
+    lr: Optional[float] = option(None, "peak learning rate of the one-cycle schedule; default: the workload's recipe",
                                  low=0.0, high=10.0, low_open=True)
-    momentum: float = option(0.9, "SGD momentum", low=0.0, high=1.0, high_open=True)
-    weight_decay: Optional[float] = option(None, "weight decay; default: the workload's (5e-4 for SGD)", low=0.0,
+    warmup_fraction: Optional[float] = option(None, "fraction of the steps spent warming the one-cycle schedule up "
+                                              "to --lr; default: the workload's recipe", low=0.0, high=1.0,
+                                              low_open=True, high_open=True)
+    momentum: Optional[float] = option(None, "SGD (Nesterov) momentum; default: the workload's recipe", low=0.0,
+                                       high=1.0, high_open=True)
+    weight_decay: Optional[float] = option(None, "weight decay; default: the workload's recipe", low=0.0,
                                            high=1.0)
     amp: str = option("off", "mixed precision: autocast the forward pass to bf16, or to fp16 with "
                       "torch.amp.GradScaler loss scaling (steps with inf/nan gradients are skipped on every rank)",
@@ -85,8 +89,6 @@ class TrainConfig(SharedConfig):
         for key, value in get_workload(self.workload, self.model).defaults.items():
             if getattr(self, key, value) is None:
                 setattr(self, key, value)
-        if self.weight_decay is None:
-            self.weight_decay = 5e-4
         if self.checkpoint_every is not None and not self.checkpoint:
             raise ValueError("checkpoint_every needs checkpoint (--checkpoint DIR) to say where to write")
         if self.resume == "latest" and not self.checkpoint:

@@ -55,6 +55,15 @@ def continue_schedule(make: Callable[[int], Any], saved_total: int, total: int, 
     return sched
 
 
+def one_cycle(optimizer: torch.optim.Optimizer, peak_lr: float, total_steps: int,
+              warmup_fraction: float) -> torch.optim.lr_scheduler.OneCycleLR:
+    """The recipes' learning-rate schedule (:class:`gradsync.workloads.Recipe`): one cycle over
+    ``total_steps`` optimizer steps, a cosine warm-up to ``peak_lr`` over the first ``warmup_fraction``
+    of them, then a cosine decay to ``peak_lr / 1e4`` (Smith & Topin 2019, arXiv:1708.07120, section 3)."""
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak_lr, total_steps=total_steps,
+                                               pct_start=warmup_fraction, anneal_strategy="cos")
+
+
 def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] | None:
     """Train on the already-initialised default process group; return the results on rank 0.
 
@@ -123,11 +132,10 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                   f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> {picked}", flush=True)
         check_config_agreement(dp.config())
 
-    def one_cycle(total: int) -> torch.optim.lr_scheduler.OneCycleLR:
-        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=total, pct_start=0.15,
-                                                   anneal_strategy="cos")
+    def schedule(total: int) -> torch.optim.lr_scheduler.OneCycleLR:
+        return one_cycle(opt, cfg.lr, total, cfg.warmup_fraction)
 
-    sched = one_cycle(total_steps)
+    sched = schedule(total_steps)
 
     progress = None
     if rank == 0 and cfg.progress:
@@ -141,7 +149,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     if ckpt is not None:
         start_epoch, step, train_time = ckpt["epoch"], ckpt["step"], ckpt["train_seconds"]
         iterations, epoch_log = ckpt["iterations"], ckpt["epochs"]
-        sched = continue_schedule(one_cycle, int(ckpt["scheduler"]["total_steps"]), total_steps, step,
+        sched = continue_schedule(schedule, int(ckpt["scheduler"]["total_steps"]), total_steps, step,
                                   announce=rank == 0) or sched
         if progress is not None:
             progress.update(step)

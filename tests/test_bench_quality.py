@@ -1,0 +1,102 @@
+"""``gradsync bench --to-quality``: the summary arithmetic (olympic mean, not reached, pairwise wins,
+target from dense), the configuration checks, and one tiny 2-rank run end to end."""
+
+import json
+import os
+
+import pytest
+
+from gradsync.bench.config import BenchConfig
+from gradsync.bench.quality import default_target, olympic_mean, summarise_quality
+from gradsync.bench.report import print_quality_table
+from gradsync.workloads import fashion_mnist
+from cli_runner import run_cli
+
+
+def test_olympic_mean_drops_fastest_and_slowest_and_counts_not_reached_as_slowest():
+    assert olympic_mean([5.0, 1.0, 3.0, 4.0, 100.0]) == pytest.approx(4.0)
+    assert olympic_mean([5.0, None, 3.0, 4.0, 1.0]) == pytest.approx(4.0)  # None dropped as the slowest
+    assert olympic_mean([5.0, None, None, 4.0, 1.0]) is None  # a kept seed never reached
+    assert olympic_mean([1.0, 2.0, 3.0, 4.0]) is None  # needs 5 seeds
+
+
+def test_summary_target_from_dense_wins_and_never_reached():
+    seeds = [0, 1, 2, 3, 4]
+    # dense (1 s per 10 steps) ends at 0.90-0.92 (target 0.905): seeds 1, 2, 4 reach it at the end only;
+    # "fast" (0.5 s per 10 steps) reaches it at 20 steps except on seed 3; "never" stays at 0.5
+    curves = {
+        "allreduce": [[[10, 1.0, 0.5], [20, 2.0, 0.7], [30, 3.0, 0.90], [40, 4.0, f]] for f in
+                      (0.90, 0.91, 0.92, 0.90, 0.92)],
+        "fast": [[[10, 0.5, 0.5], [20, 1.0, 0.5 if s == 3 else 0.95], [30, 1.5, 0.6 if s == 3 else 0.95],
+                  [40, 2.0, 0.6 if s == 3 else 0.95]] for s in seeds],
+        "never": [[[10, 0.1, 0.5], [40, 0.4, 0.5]] for _ in seeds],
+    }
+    out = summarise_quality(curves, seeds, higher_is_better=True, dense="allreduce")
+    assert out["target"] == pytest.approx(0.91 - 0.005) and out["target_from"] == "allreduce"
+    d, f, n = (out["entries"][k] for k in ("allreduce", "fast", "never"))
+    assert d["final_mean"] == pytest.approx(0.91)
+    assert d["seconds_by_seed"] == [None, 4.0, 4.0, None, 4.0] and d["steps_by_seed"] == [None, 40, 40, None, 40]
+    assert d["median_s"] == 4.0 and d["spread_s"] == [4.0, None] and d["olympic_mean_s"] is None
+    assert f["seconds_by_seed"] == [1.0, 1.0, 1.0, None, 1.0] and f["olympic_mean_s"] == pytest.approx(1.0)
+    assert f["median_s"] == 1.0 and f["reached"] == 4
+    assert f["wins"] == {"allreduce": [0, 1, 2, 4], "never": [0, 1, 2, 4]}
+    assert d["wins"] == {"fast": [], "never": [1, 2, 4]} and n["wins"] == {"allreduce": [], "fast": []}
+    assert n["median_s"] is None and n["spread_s"] == [None, None] and n["reached"] == 0
+    # an absolute target; lower-is-better quality (bits per character): dense + 0.5 %
+    assert summarise_quality(curves, seeds, True, target=0.6)["entries"]["fast"]["seconds_by_seed"][3] == 1.5
+    assert default_target([2.0, 2.2], higher_is_better=False) == pytest.approx(2.1 * 1.005)
+    loss = summarise_quality({"allreduce": [[[10, 1.0, 3.0], [20, 2.0, 2.0]]], "x": [[[10, 0.5, 2.005]]]}, [0],
+                             higher_is_better=False, dense="allreduce")
+    assert loss["entries"]["x"]["seconds_by_seed"] == [0.5] and loss["entries"]["allreduce"]["seconds_by_seed"] == [2.0]
+    with pytest.raises(ValueError, match="dense must name an entry"):
+        summarise_quality(curves, seeds, True, dense=None)
+    with pytest.raises(ValueError, match="one non-empty curve per seed"):
+        summarise_quality({"allreduce": [[]]}, [0], True, dense="allreduce")
+
+
+def test_to_quality_config_is_validated():
+    with pytest.raises(ValueError, match="to_accuracy and to_quality"):
+        BenchConfig(to_quality=True, to_accuracy=0.8)
+    with pytest.raises(ValueError, match="allreduce entry.*quality_target"):
+        BenchConfig(to_quality=True, algorithms=["fp16", "powersgd"])
+    BenchConfig(to_quality=True, algorithms=["fp16"], quality_target=0.85)  # an absolute target needs no dense
+    with pytest.raises(ValueError, match="quality_target needs to_quality"):
+        BenchConfig(quality_target=0.85)
+    with pytest.raises(ValueError, match=r"quality_target must be a test accuracy in \(0, 1\]"):
+        BenchConfig(to_quality=True, quality_target=85.0)
+    cfg = BenchConfig(to_quality=True, algorithms=["fp16", "allreduce"])
+    assert cfg.dense_entry() == "allreduce" and (cfg.batch_size, cfg.epochs, cfg.lr) == (64, 4, 0.1)
+    assert BenchConfig(workload="kjv-transformer").train_samples == 12800
+
+
+@pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
+    proc = run_cli(
+        ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms",
+         "allreduce,fp16", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
+         "--eval-every", "2", "--eval-samples", "200", "--out", str(tmp_path)],
+        timeout=400, env={**os.environ, "COLUMNS": "250"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    q = json.loads((tmp_path / "bench.json").read_text())["quality"]
+    assert {"target", "target_from", "higher_is_better", "seeds", "entries", "metric", "budget_steps", "epochs",
+            "train_samples", "warmup_fraction", "curves"} <= set(q)
+    assert q["budget_steps"] == 4 and q["seeds"] == [0, 1] and q["target_from"] == "allreduce"
+    for name in ("allreduce", "fp16"):
+        e = q["entries"][name]
+        assert {"final_by_seed", "final_mean", "seconds_by_seed", "steps_by_seed", "olympic_mean_s", "median_s",
+                "spread_s", "wins"} <= set(e)
+        # evaluations every 2 steps, the last at the end of the budget, on every seed
+        assert [[p[0] for p in c] for c in q["curves"][name]] == [[2, 4]] * 2
+        assert all(0 < p[2] <= 1 and p[1] > 0 for c in q["curves"][name] for p in c)
+    finals = q["entries"]["allreduce"]["final_by_seed"]
+    assert q["target"] == pytest.approx(sum(finals) / 2 - 0.005)
+    assert q["curves"]["allreduce"][0] != q["curves"]["allreduce"][1], "seeds train different models"
+    out = " ".join(proc.stdout.split())
+    assert "time to test accuracy" in out and "needs 5 seeds" in out and "seeds 0, 1" in out
+    assert (tmp_path / "quality.png").exists()
+
+
+def test_quality_table_needs_to_quality(capsys):
+    with pytest.raises(ValueError, match="needs --to-quality"):
+        print_quality_table({"config": {}, "rows": []}, "loopback")
