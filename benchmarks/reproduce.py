@@ -35,7 +35,7 @@ from gradsync.bench.report import accuracy_rows, time_to_target_cell  # noqa: E4
 from gradsync.report.training import fmt_bytes  # noqa: E402
 
 GRADSYNC = [sys.executable, "-m", "gradsync"]
-QUICK_TRAIN = ["--max-steps", "3", "--train-samples", "512", "--no-progress"]
+QUICK_TRAIN = ["--max-steps", "3", "--train-samples", "512", "--eval-samples", "500", "--no-progress"]
 QUICK_BENCH = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--eval-every", "5", "--max-accuracy-steps", "10"]
 
 

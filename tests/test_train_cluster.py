@@ -69,7 +69,8 @@ def test_loopback_fallback_is_labelled(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(netns, "why_unshaped", lambda: "not root")
     out = tmp_path / "run"
     rc = cli.main(["train", "--hosts", "2", "--bandwidth", "50", "--algorithm", "covap", "--ratio", "2",
-                   "--max-steps", "3", "--train-samples", "512", "--no-progress", "--out", str(out)])
+                   "--max-steps", "3", "--train-samples", "512", "--eval-samples", "200", "--no-progress",
+                   "--out", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     label = "loopback, NOT shaped (not root)"

@@ -179,7 +179,8 @@ def launch_on_cluster(cfg: TrainConfig, cluster: Any, deadline_s: float | None =
     Ranks are spread evenly: rank ``r`` runs inside host ``r // (workers / hosts)`` (``ip netns
     exec``), with ``GLOO_SOCKET_IFNAME`` set to that host's interface, ``LOCAL_RANK`` = its index on
     the host, and rendezvous at host 0's bridge address. An unshaped cluster (not root: its ``label``
-    says "NOT shaped") runs the same commands on 127.0.0.1. Rank 0's stdout is shown; every rank's
+    says "NOT shaped") runs the ranks on 127.0.0.1, forked where
+    :func:`gradsync.launch.local_start_method` allows. Rank 0's stdout is shown; every rank's
     stderr (and the other ranks' stdout) go to logs whose tail is reported when a rank fails.
 
     Raises:
@@ -200,7 +201,7 @@ def launch_on_cluster(cfg: TrainConfig, cluster: Any, deadline_s: float | None =
     try:
         return run_module_ranks("gradsync.train.worker", json.dumps(cfg.to_dict()), cfg.workers,
                                 master_addr=cluster.address(0),
-                                socket_ifname=lambda r: cluster.ifname(r // per_host), popen=popen,
-                                deadline_s=deadline_s)
+                                socket_ifname=lambda r: cluster.ifname(r // per_host),
+                                popen=popen if cluster.shaped else None, deadline_s=deadline_s)
     except RankFailure as exc:
         raise TrainingFailed(exc, cfg.checkpoint) from None
