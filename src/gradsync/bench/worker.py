@@ -18,6 +18,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -212,6 +213,19 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     }
 
 
+def _seed_entries(cfg: BenchConfig, workload: Any, make: Callable[..., Any]):
+    """For each seed of ``cfg.accuracy_seeds()``, each entry of ``cfg.algorithms`` built from that seed's
+    start model: yields ``(seed, name, dp, g)`` with ``g`` the seed's data-order generator, so every
+    entry of a seed starts from the same model and sees the same batches."""
+    for seed in cfg.accuracy_seeds():
+        torch.manual_seed(seed)
+        model = workload.make_model()
+        for name in cfg.algorithms:
+            g = torch.Generator().manual_seed(seed + 17)
+            dist.barrier()
+            yield seed, name, make(name, model, seed), g
+
+
 def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn):
     """Train each entry of ``cfg.algorithms`` once per seed of ``cfg.accuracy_seeds()`` (the seed
     sets the start model, the data order and the algorithm's randomness; every entry of a seed starts
@@ -229,34 +243,28 @@ def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, los
     if cfg.eval_samples is not None:
         test_x, test_y = test_x[:cfg.eval_samples], test_y[:cfg.eval_samples]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.algorithms}
-    for seed in cfg.accuracy_seeds():
-        torch.manual_seed(seed)
-        model = workload.make_model()
-        for name in cfg.algorithms:
-            g = torch.Generator().manual_seed(seed + 17)
-            dist.barrier()
-            dp = make(name, model, seed)
-            shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
-            elapsed, steps, curve, reached = 0.0, 0, [], None
-            while steps < cfg.max_accuracy_steps and reached is None:
-                for i in range(cfg.eval_every):
-                    lo = ((steps + i) * cfg.batch_size) % (shard.numel() - cfg.batch_size)
-                    idx = shard[lo:lo + cfg.batch_size]
-                    t0 = time.perf_counter()
-                    dp.train_step(train_x[idx], train_y[idx], loss_fn)
-                    elapsed += time.perf_counter() - t0
-                steps += cfg.eval_every
-                dp.flush()
-                _, acc = evaluate(dp.module, test_x, test_y, torch.device("cpu"))
-                curve.append((elapsed, acc))
-                if acc >= cfg.to_accuracy:
-                    reached = elapsed
-            runs[name].append({"seconds": reached, "steps": steps, "curve": curve})
-            if rank == 0:
-                print(f"seed {seed} {name}: "
-                      + (f"{cfg.to_accuracy:.0%} after {reached:.1f} s ({steps} steps)" if reached is not None
-                         else f"{cfg.to_accuracy:.0%} not reached in {steps} steps ({acc:.1%})"), flush=True)
-            dp.close()
+    for seed, name, dp, g in _seed_entries(cfg, workload, make):
+        shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
+        elapsed, steps, curve, reached = 0.0, 0, [], None
+        while steps < cfg.max_accuracy_steps and reached is None:
+            for i in range(cfg.eval_every):
+                lo = ((steps + i) * cfg.batch_size) % (shard.numel() - cfg.batch_size)
+                idx = shard[lo:lo + cfg.batch_size]
+                t0 = time.perf_counter()
+                dp.train_step(train_x[idx], train_y[idx], loss_fn)
+                elapsed += time.perf_counter() - t0
+            steps += cfg.eval_every
+            dp.flush()
+            _, acc = evaluate(dp.module, test_x, test_y, torch.device("cpu"))
+            curve.append((elapsed, acc))
+            if acc >= cfg.to_accuracy:
+                reached = elapsed
+        runs[name].append({"seconds": reached, "steps": steps, "curve": curve})
+        if rank == 0:
+            print(f"seed {seed} {name}: "
+                  + (f"{cfg.to_accuracy:.0%} after {reached:.1f} s ({steps} steps)" if reached is not None
+                     else f"{cfg.to_accuracy:.0%} not reached in {steps} steps ({acc:.1%})"), flush=True)
+        dp.close()
     return {name: _accuracy_summary(cfg.accuracy_seeds(), r) for name, r in runs.items()}
 
 
@@ -294,34 +302,28 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
         return acc if higher else loss / math.log(2)
 
     curves: dict[str, list[list[list[float]]]] = {name: [] for name in cfg.algorithms}
-    for seed in cfg.accuracy_seeds():
-        torch.manual_seed(seed)
-        model = workload.make_model()
-        for name in cfg.algorithms:
-            g = torch.Generator().manual_seed(seed + 17)
-            dist.barrier()
-            dp = make(name, model, seed)
-            sched = one_cycle(dp.optimizer, cfg.lr, total, workload.recipe.warmup_fraction)
-            torch.manual_seed(seed * 1000 + rank)  # the same augmentation for every entry of the seed
-            elapsed, curve = 0.0, []
-            for epoch in range(cfg.epochs):
-                shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
-                for i in range(per_epoch):
-                    idx = shard[i * cfg.batch_size:(i + 1) * cfg.batch_size]
-                    x = workload.augment(train_x[idx])
-                    t0 = time.perf_counter()
-                    dp.train_step(x, train_y[idx], loss_fn)
-                    sched.step()
-                    elapsed += time.perf_counter() - t0
-                    step = epoch * per_epoch + i + 1
-                    if step % cfg.eval_every == 0 or step == total:
-                        dp.flush()
-                        curve.append([step, elapsed, quality(dp)])
-            curves[name].append(curve)
-            if rank == 0:
-                print(f"seed {seed} {name}: {total} steps, {elapsed:.1f} s, final {workload.metric} "
-                      f"{curve[-1][2]:.4f}", flush=True)
-            dp.close()
+    for seed, name, dp, g in _seed_entries(cfg, workload, make):
+        sched = one_cycle(dp.optimizer, cfg.lr, total, workload.recipe.warmup_fraction)
+        torch.manual_seed(seed * 1000 + rank)  # the same augmentation for every entry of the seed
+        elapsed, curve = 0.0, []
+        for epoch in range(cfg.epochs):
+            shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
+            for i in range(per_epoch):
+                idx = shard[i * cfg.batch_size:(i + 1) * cfg.batch_size]
+                x = workload.augment(train_x[idx])
+                t0 = time.perf_counter()
+                dp.train_step(x, train_y[idx], loss_fn)
+                sched.step()
+                elapsed += time.perf_counter() - t0
+                step = epoch * per_epoch + i + 1
+                if step % cfg.eval_every == 0 or step == total:
+                    dp.flush()
+                    curve.append([step, elapsed, quality(dp)])
+        curves[name].append(curve)
+        if rank == 0:
+            print(f"seed {seed} {name}: {total} steps, {elapsed:.1f} s, final {workload.metric} "
+                  f"{curve[-1][2]:.4f}", flush=True)
+        dp.close()
     summary = summarise_quality(curves, cfg.accuracy_seeds(), higher, cfg.quality_target, cfg.dense_entry())
     return {**summary, "metric": workload.metric, "budget_steps": total, "epochs": cfg.epochs,
             "train_samples": int(train_x.shape[0]), "warmup_fraction": workload.recipe.warmup_fraction,
