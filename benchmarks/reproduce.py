@@ -127,7 +127,8 @@ def script_table(out: Path, runs: list[Run]) -> str:
 
 
 # ------------------------------------------------------------------------------------- experiments
-DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms", "allreduce,fp16,covap:ratio=2:cast=fp16", "--lr", "0.05",
+DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms",
+        "allreduce,fp16,powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
         "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80", "--eval-every", "25",
         "--eval-samples", "2000", "--max-accuracy-steps", "400", "--table", "accuracy"]  # the Makefile's DEMO_ARGS
 
