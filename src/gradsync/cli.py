@@ -36,9 +36,8 @@ def _auto_adapt(options: dict, algorithms: list[str]) -> dict:
     Raises:
         ValueError: for an entry naming no registered algorithm (see :func:`parse_entry`).
     """
-    from .algorithms import REGISTRY
+    from .algorithms import REGISTRY, parse_entry
     from .algorithms.covap import AUTO_ADAPT_EVERY
-    from .algorithms import parse_entry
 
     if (options.get("ratio") == "auto" and "adapt_every" not in options
             and any("adapt_every" in REGISTRY[parse_entry(a)[0]].options.keys() for a in algorithms)):
@@ -138,17 +137,17 @@ def _train_network(args: argparse.Namespace) -> tuple[int, int | None, list[floa
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .launch import limit_launcher_threads
     from .options import values_from_args
     from .report import print_summary, write_outputs
     from .train.config import TrainConfig
-    from .launch import limit_launcher_threads
     from .train.launcher import launch, network_label
     from .workloads import get_workload, load_data
 
     workers, hosts, rates = _train_network(args)
     if args.launcher == "torchrun" and hosts is None:
         raise ValueError("launcher torchrun starts agents on emulated hosts: give --hosts and --bandwidth "
-                         "(on real nodes run torchrun yourself, see the README)")
+                         "(on real nodes run torchrun yourself, see docs/train.md)")
     values = dict(values_from_args(TrainConfig, args), workers=workers)
     cfg = TrainConfig(**values, options=_auto_adapt(_algorithm_values(args), [args.algorithm]))
     limit_launcher_threads()

@@ -186,4 +186,5 @@ def load_hook_state(algorithm: str, state: Any, payload: dict[str, Any],
     state.load_state_dict(entry)
 
 
-__all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "framework_attribute", "import_torchvision_first", "gather_hook_state", "load_hook_state"]
+__all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "framework_attribute",
+           "gather_hook_state", "import_torchvision_first", "load_hook_state"]

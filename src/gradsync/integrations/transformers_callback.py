@@ -2,7 +2,6 @@
 :mod:`gradsync.integrations.transformers` (which first makes torchvision importable beside this torch:
 Transformers' image utilities import it). Usage and semantics: :mod:`gradsync.integrations.transformers`."""
 
-
 from __future__ import annotations
 
 import os
