@@ -80,6 +80,10 @@ def main() -> None:
               f"dense all-reduce {s['dense_wire_bytes']:.0f} (compression {s['compression_ratio']:.2f}x over "
               f"{s['iteration']} optimizer steps)",
               flush=True)
+    # Accelerate keeps the process group; a Gloo group left to interpreter exit can abort the process
+    # (SIGABRT, "terminate called without an active exception") after training has finished
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":
