@@ -7,7 +7,7 @@ import os
 import pytest
 
 from gradsync.bench.config import BenchConfig
-from gradsync.bench.quality import default_target, olympic_mean, summarise_quality
+from gradsync.bench.quality import GATE_MARGIN, default_target, lazy_curve, olympic_mean, summarise_quality
 from gradsync.bench.report import print_quality_table
 from gradsync.workloads import fashion_mnist
 from cli_runner import run_cli
@@ -54,6 +54,28 @@ def test_summary_target_from_dense_wins_and_never_reached():
         summarise_quality({"allreduce": [[]]}, [0], True, dense="allreduce")
 
 
+def test_lazy_curve_evaluates_in_full_only_near_the_target_and_stops_at_the_first_crossing():
+    full_quality = [0.50, 0.86, 0.90, 0.89, 0.93, 0.92]   # what a full evaluation would say per point
+    cheap = [0.52, 0.85, 0.88, 0.91, 0.92, 0.93]          # 1,000-sample evaluations of the same models
+    points = [[10 * (i + 1), float(i + 1), c] for i, c in enumerate(cheap)]
+    calls = []
+
+    def full(i):
+        calls.append(i)
+        return full_quality[i]
+    curve = lazy_curve(points, 0.905, True, full)
+    # points 0-1 are gated out (0.52, 0.85 < 0.905 - 0.04); 2 and 3 run in full and miss, 4 reaches it
+    assert calls == [2, 3, 4, 5] and [p[0] for p in curve] == [30, 40, 50, 60]
+    brute = summarise_quality({"a": [[[p[0], p[1], full_quality[i]] for i, p in enumerate(points)]]}, [0], True, 0.905)
+    assert summarise_quality({"a": [curve]}, [0], True, 0.905)["entries"]["a"]["steps_by_seed"] == \
+        brute["entries"]["a"]["steps_by_seed"] == [50]
+    calls.clear()
+    assert lazy_curve(points, 0.86, True, full)[0] == [20, 2.0, 0.86] and calls == [1, 5]   # reached: stop, then final
+    calls.clear()
+    assert [p[0] for p in lazy_curve(points, 0.1, False, full)] == [60] and calls == [5]  # a loss: all > 0.1 * 1.04
+    assert GATE_MARGIN == 0.04
+
+
 def test_to_quality_config_is_validated():
     with pytest.raises(ValueError, match="to_accuracy and to_quality"):
         BenchConfig(to_quality=True, to_accuracy=0.8)
@@ -75,20 +97,23 @@ def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     proc = run_cli(
         ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms",
          "allreduce,fp16", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
-         "--eval-every", "2", "--eval-samples", "200", "--out", str(tmp_path)],
+         "--eval-every", "2", "--eval-samples", "2400", "--out", str(tmp_path)],
         timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     q = json.loads((tmp_path / "bench.json").read_text())["quality"]
     assert {"target", "target_from", "higher_is_better", "seeds", "entries", "metric", "budget_steps", "epochs",
-            "train_samples", "warmup_fraction", "curves"} <= set(q)
+            "train_samples", "warmup_fraction", "curves", "cheap_curves"} <= set(q)
+    assert q["cheap_samples"] == 1000  # 2,400 test samples: cheap evaluations on 1,000 gate the full ones
     assert q["budget_steps"] == 4 and q["seeds"] == [0, 1] and q["target_from"] == "allreduce"
     for name in ("allreduce", "fp16"):
         e = q["entries"][name]
         assert {"final_by_seed", "final_mean", "seconds_by_seed", "steps_by_seed", "olympic_mean_s", "median_s",
                 "spread_s", "wins"} <= set(e)
-        # evaluations every 2 steps, the last at the end of the budget, on every seed
-        assert [[p[0] for p in c] for c in q["curves"][name]] == [[2, 4]] * 2
-        assert all(0 < p[2] <= 1 and p[1] > 0 for c in q["curves"][name] for p in c)
+        # cheap evaluations every 2 steps, the last at the end of the budget, on every seed; full ones
+        # where the gate let them through, always at the end
+        assert [[p[0] for p in c] for c in q["cheap_curves"][name]] == [[2, 4]] * 2
+        assert all([p[0] for p in c] in ([4], [2, 4]) for c in q["curves"][name])
+        assert all(0 < p[2] <= 1 and p[1] > 0 for c in q["curves"][name] + q["cheap_curves"][name] for p in c)
     finals = q["entries"]["allreduce"]["final_by_seed"]
     assert q["target"] == pytest.approx(sum(finals) / 2 - 0.005)
     assert q["curves"]["allreduce"][0] != q["curves"]["allreduce"][1], "seeds train different models"

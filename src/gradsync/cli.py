@@ -309,6 +309,98 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_sweep(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="predicted time to quality on several networks: steps to quality on "
+                                     "loopback x iteration time per emulated network (gradsync.bench.sweep)")
+    p.add_argument("--algorithms", required=True, help="comma-separated gradsync bench entries, allreduce among "
+                                                       "them unless --quality-target is given")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="seeds of the to-quality runs (>= 5 for olympic means)")
+    p.add_argument("--hosts", type=int, default=2, help="emulated hosts, one rank each (>= 2)")
+    p.add_argument("--bandwidths", required=True, help="comma-separated link rates in Mbit/s, one network each")
+    p.add_argument("--quality-target", type=float, default=None,
+                   help="absolute target; default: allreduce's mean final quality minus 0.5 points (accuracy) "
+                        "or plus 0.5 %% (bits per character)")
+    for flag in ("--workload", "--model", "--data-dir"):
+        p.add_argument(flag, default=None, help="as gradsync bench")
+    for flag, kind in (("--batch-size", int), ("--lr", float), ("--bucket-cap-mb", float), ("--epochs", int),
+                       ("--train-samples", int), ("--eval-every", int), ("--eval-samples", int)):
+        p.add_argument(flag, type=kind, default=None, help="as gradsync bench (default: the workload's recipe)")
+    p.add_argument("--steps", type=int, default=20, help="timed iterations per entry and round on each network")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per entry and round")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
+    p.add_argument("--validate-bandwidth", type=float, default=None,
+                   help="also run a full shaped to-quality run at this rate (one of --bandwidths) and compare")
+    p.add_argument("--validate-algorithms", default="allreduce", help="entries of the validation run")
+    p.add_argument("--validate-seeds", default="0", help="seeds of the validation run")
+    p.add_argument("--out", default="runs/sweep", help="folder of the sub-runs and sweep.json (reused when rerun)")
+    p.set_defaults(func=_sweep)
+
+
+def _int_list(name: str, text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TOLERANCE, run_sweep, summary_rows
+
+    try:
+        rates = [float(x) for x in args.bandwidths.split(",")]
+    except ValueError:
+        raise ValueError(f"bandwidths must be comma-separated Mbit/s, got {args.bandwidths!r}") from None
+    if any(not 0.1 <= r <= 100_000 for r in rates):
+        raise ValueError(f"bandwidths must be rates in [0.1, 100000] Mbit/s, got {args.bandwidths}")
+    entries = [e.strip() for e in args.algorithms.split(",") if e.strip()]
+    validate_at = None
+    if args.validate_bandwidth is not None:
+        v_entries = [e.strip() for e in args.validate_algorithms.split(",")]
+        if not set(v_entries) <= set(entries):
+            raise ValueError(f"validate-algorithms must be entries of --algorithms; got {args.validate_algorithms}")
+        validate_at = (args.validate_bandwidth, v_entries, _int_list("validate-seeds", args.validate_seeds))
+    values = {k: getattr(args, k) for k in MODEL_FLAGS + QUALITY_FLAGS}
+    result = run_sweep(entries, _int_list("seeds", args.seeds), args.hosts, rates, Path(args.out), values, main,
+                       steps=args.steps, warmup=args.warmup, rounds=args.rounds, quality_target=args.quality_target,
+                       validate_at=validate_at)
+    q = result["quality"]
+    hib = q["higher_is_better"]
+    target = f"{q['target'] * 100:.2f}%" if hib else f"{q['target']:.4f}"
+    console = Console(width=max(Console().width, 120))
+    for rate, pred in result["networks"].items():
+        table = Table(title=f"gradsync sweep: predicted time to {q['metric']} {target}, {args.hosts} hosts at {rate} "
+                            f"Mbit/s (dense CCR {pred['dense_ccr']:.2f})",
+                      caption=f"steps to target on loopback ({len(q['seeds'])} seeds: {q['seeds']}) x median "
+                              f"iteration time on {pred['network']}; seconds: olympic mean over >= 5 seeds, "
+                              f"else median")
+        for col in ("entry", "iteration ms", "median steps", "predicted s", "vs allreduce", "reached", "final (mean)"):
+            table.add_column(col, justify="left" if col == "entry" else "right", overflow="fold")
+        for r in summary_rows(pred):
+            table.add_row(r["entry"], f"{r['iteration_ms']:.1f}",
+                          "-" if r["median_steps"] is None else f"{r['median_steps']:g}",
+                          "not reached" if r["predicted_s"] is None else f"{r['predicted_s']:.1f}",
+                          "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+                          f"{r['reached']}/{len(q['seeds'])}",
+                          f"{r['final_mean'] * 100:.2f}%" if hib else f"{r['final_mean']:.4f}")
+        console.print(table)
+    v = result["validation"]
+    if v is not None:
+        for row in v["rows"]:
+            err = "-" if row["error"] is None else f"{row['error'] * 100:+.1f} %"
+            print(f"validation at {v['bandwidth_mbit']:g} Mbit/s: {row['entry']} seed {row['seed']}: predicted "
+                  f"{row['predicted_s']} s, measured {row['measured_s']} s, error {err}")
+        largest = "-" if v["max_error"] is None else f"{v['max_error'] * 100:.1f} %"
+        print(f"prediction {'HOLDS' if v['holds'] else 'DOES NOT HOLD'} within {TOLERANCE:.0%} "
+              f"(largest error {largest})")
+    print(f"wrote {Path(args.out) / 'sweep.json'}")
+    return 0
+
+
 def _bucket_cap(text: str) -> float | str:
     """``--bucket-cap-mb``: MB, or ``auto`` (:func:`gradsync.comm.buckets.suggested_bucket_cap_mb`)."""
     return text if text == "auto" else float(text)
@@ -530,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_bench(sub)
+    _add_sweep(sub)
     _add_profile(sub)
     _add_doctor(sub)
     _add_simulate(sub)

@@ -8,19 +8,30 @@ excluded) at the first evaluation at or past it. The summary follows the MLPerf 
 (Mattson et al. 2020, "MLPerf Training Benchmark", MLSys, section 3.2: several runs per result,
 the fastest and the slowest dropped, the rest averaged): the olympic mean over >= 5 seeds, with
 the median and the spread (fastest-slowest) beside it, and who is faster on each seed.
+
+A full test-set evaluation at every evaluation step would cost more than the training (fashion-mnist:
+6.3 s per evaluation against 0.12 s per step, measured). So every evaluation step runs a cheap one on
+the first :data:`GATE_SAMPLES` test samples and keeps a copy of the model; once the target is known,
+:func:`lazy_curve` runs the full evaluation in step order only where the cheap one is within
+:data:`GATE_MARGIN` of the target, up to the first full one that reaches it, plus the final one.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 #: Runs the olympic mean needs (MLPerf's count for image classification).
 OLYMPIC_MIN_SEEDS = 5
 #: Default target below dense's final accuracy (0-1), and above dense's bits per character (relative).
 ACCURACY_MARGIN = 0.005
 LOSS_MARGIN = 0.005
+#: Test samples of the cheap evaluation that decides whether a full one runs.
+GATE_SAMPLES = 1000
+#: How far the cheap evaluation may miss the target for the full one to run: 0.04 of accuracy (over
+#: 4 standard errors of a 1,000-sample accuracy near 0.9), or 4 % more bits per character.
+GATE_MARGIN = 0.04
 
 
 def default_target(dense_finals: list[float], higher_is_better: bool) -> float:
@@ -39,6 +50,40 @@ def default_target(dense_finals: list[float], higher_is_better: bool) -> float:
 def _reach(curve: list[list[float]], target: float, higher_is_better: bool) -> Optional[list[float]]:
     """The first ``[steps, seconds, quality]`` point of ``curve`` at or past ``target``, or None."""
     return next((p for p in curve if (p[2] >= target if higher_is_better else p[2] <= target)), None)
+
+
+def gate_passes(cheap: float, target: float, higher_is_better: bool) -> bool:
+    """Whether a cheap evaluation ``cheap`` is close enough to ``target`` for the full one to run:
+    ``cheap >= target - GATE_MARGIN`` (accuracy) or ``cheap <= target * (1 + GATE_MARGIN)`` (a loss)."""
+    return cheap >= target - GATE_MARGIN if higher_is_better else cheap <= target * (1 + GATE_MARGIN)
+
+
+def lazy_curve(points: list[list[float]], target: float, higher_is_better: bool,
+               full: Callable[[int], float]) -> list[list[float]]:
+    """The full-quality curve of one run from its cheap evaluations.
+
+    Args:
+        points: ``[steps, seconds, cheap quality]`` per evaluation step, in step order; the last is the
+            end of the budget.
+        target: the quality target.
+        higher_is_better: True for accuracy, False for a loss.
+        full: ``full(i)`` evaluates point ``i``'s model on the full test set (a collective in a
+            distributed run: every rank must call it for the same ``i``, which holds because the
+            cheap qualities are all-reduced).
+
+    Returns:
+        ``[steps, seconds, full quality]`` of the points evaluated: those before the end whose cheap
+        quality :func:`gate_passes`, in order, up to the first that reaches ``target``, then always
+        the last point (the final quality).
+    """
+    curve = []
+    for i, (step, seconds, cheap) in enumerate(points[:-1]):
+        if gate_passes(cheap, target, higher_is_better):
+            curve.append([step, seconds, full(i)])
+            if _reach(curve[-1:], target, higher_is_better) is not None:
+                break
+    step, seconds, _ = points[-1]
+    return curve + [[step, seconds, full(len(points) - 1)]]
 
 
 def olympic_mean(seconds: list[Optional[float]]) -> Optional[float]:

@@ -213,17 +213,20 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     }
 
 
-def _seed_entries(cfg: BenchConfig, workload: Any, make: Callable[..., Any]):
+def _seed_entries(cfg: BenchConfig, workload: Any, make: Callable[..., Any], entry_major: list[str] | None = None):
     """For each seed of ``cfg.accuracy_seeds()``, each entry of ``cfg.algorithms`` built from that seed's
     start model: yields ``(seed, name, dp, g)`` with ``g`` the seed's data-order generator, so every
-    entry of a seed starts from the same model and sees the same batches."""
-    for seed in cfg.accuracy_seeds():
+    entry of a seed starts from the same model and sees the same batches. With ``entry_major`` (the
+    entries in the order to run) every seed of an entry runs before the next entry."""
+    seeds = cfg.accuracy_seeds()
+    pairs = ([(s, n) for n in entry_major for s in seeds] if entry_major is not None
+             else [(s, n) for s in seeds for n in cfg.algorithms])
+    for seed, name in pairs:
         torch.manual_seed(seed)
         model = workload.make_model()
-        for name in cfg.algorithms:
-            g = torch.Generator().manual_seed(seed + 17)
-            dist.barrier()
-            yield seed, name, make(name, model, seed), g
+        g = torch.Generator().manual_seed(seed + 17)
+        dist.barrier()
+        yield seed, name, make(name, model, seed), g
 
 
 def _time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn):
@@ -274,16 +277,22 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     one-cycle schedule (peak ``cfg.lr``, warm-up fraction of the recipe); every entry of a seed starts
     from the same model and sees the same batches (a fresh permutation per epoch, rank ``r`` taking
     every world-th sample). Quality (test accuracy, or bits per character when ``cfg.higher_is_better()``
-    is False) is evaluated on the full test set (the first ``eval_samples`` when given) every
-    ``eval_every`` steps and after the last step; the evaluation is all-reduced and the step count
-    fixed, so every rank runs the same collectives.
+    is False) is measured on the full test set (the first ``eval_samples`` when given): every
+    ``eval_every`` steps a cheap evaluation on the first :data:`~gradsync.bench.quality.GATE_SAMPLES`
+    and a copy of the model, then the full evaluations :func:`~gradsync.bench.quality.lazy_curve`
+    picks once the target is known (the dense entry runs all its seeds first when the target comes
+    from it); the final quality is always a full evaluation. Evaluations are all-reduced and the step
+    count fixed, so every rank runs the same collectives. Model copies are held in host memory until
+    the target is known (the dense entry's: every seed's, one per evaluation step).
 
     Returns :func:`gradsync.bench.quality.summarise_quality` of the curves plus ``"metric"``,
-    ``"budget_steps"``, ``"epochs"``, ``"train_samples"``, ``"warmup_fraction"`` and ``"curves"``
-    (per entry, per seed ``[[steps, training seconds, quality], ...]``).
+    ``"budget_steps"``, ``"epochs"``, ``"train_samples"``, ``"warmup_fraction"``, ``"curves"``
+    (per entry, per seed the full evaluations ``[[steps, training seconds, quality], ...]``),
+    ``"cheap_curves"`` (the cheap evaluation at every evaluation step, same layout) and
+    ``"cheap_samples"`` (None when the test set is small enough to evaluate in full every time).
     """
     from ..train.loop import one_cycle
-    from .quality import summarise_quality
+    from .quality import GATE_SAMPLES, default_target, lazy_curve, summarise_quality
 
     rank, world = dist.get_rank(), dist.get_world_size()
     if cfg.train_samples is not None:
@@ -296,16 +305,37 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
                          f"batch_size {cfg.batch_size}")
     total = cfg.epochs * per_epoch
     higher = cfg.higher_is_better()
+    cheap_n = GATE_SAMPLES if test_x.shape[0] > 2 * GATE_SAMPLES else None
+    cpu = torch.device("cpu")
 
-    def quality(dp) -> float:
-        loss, acc = evaluate(dp.module, test_x, test_y, torch.device("cpu"))
+    def quality(model, n: int | None = None) -> float:
+        loss, acc = evaluate(model, test_x[:n], test_y[:n], cpu)
         return acc if higher else loss / math.log(2)
 
-    curves: dict[str, list[list[list[float]]]] = {name: [] for name in cfg.algorithms}
-    for seed, name, dp, g in _seed_entries(cfg, workload, make):
+    seeds = cfg.accuracy_seeds()
+    dense = cfg.dense_entry() if cfg.quality_target is None else None
+    order = ([dense] if dense else []) + [a for a in cfg.algorithms if a != dense]
+    target = cfg.quality_target
+    curves: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
+    cheap: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
+    pending: list[tuple[str, int, list[dict[str, torch.Tensor]], float]] = []
+
+    def resolve(name: str, k: int, snapshots: list[dict[str, torch.Tensor]], final: float) -> None:
+        with torch.random.fork_rng():
+            scratch = workload.make_model()
+
+        def full(i: int) -> float:
+            if i == len(snapshots):
+                return final
+            scratch.load_state_dict(snapshots[i])
+            return quality(scratch)
+        curves[name][k] = lazy_curve(cheap[name][k], target, higher, full)
+
+    for seed, name, dp, g in _seed_entries(cfg, workload, make, order):
+        k = seeds.index(seed)
         sched = one_cycle(dp.optimizer, cfg.lr, total, workload.recipe.warmup_fraction)
         torch.manual_seed(seed * 1000 + rank)  # the same augmentation for every entry of the seed
-        elapsed, curve = 0.0, []
+        elapsed, points, snapshots = 0.0, [], []
         for epoch in range(cfg.epochs):
             shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
             for i in range(per_epoch):
@@ -318,16 +348,33 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
                 step = epoch * per_epoch + i + 1
                 if step % cfg.eval_every == 0 or step == total:
                     dp.flush()
-                    curve.append([step, elapsed, quality(dp)])
-        curves[name].append(curve)
-        if rank == 0:
-            print(f"seed {seed} {name}: {total} steps, {elapsed:.1f} s, final {workload.metric} "
-                  f"{curve[-1][2]:.4f}", flush=True)
+                    if step == total:
+                        final = quality(dp.module)
+                        points.append([step, elapsed, final if cheap_n is None else quality(dp.module, cheap_n)])
+                    elif cheap_n is None:
+                        points.append([step, elapsed, quality(dp.module)])
+                    else:
+                        points.append([step, elapsed, quality(dp.module, cheap_n)])
+                        snapshots.append({n: t.detach().to(cpu, copy=True) for n, t in dp.module.state_dict().items()})
+        cheap[name][k] = points
         dp.close()
-    summary = summarise_quality(curves, cfg.accuracy_seeds(), higher, cfg.quality_target, cfg.dense_entry())
+        if cheap_n is None:
+            curves[name][k] = [list(p) for p in points]
+        elif target is None:
+            pending.append((name, k, snapshots, final))
+        else:
+            resolve(name, k, snapshots, final)
+        if rank == 0:
+            print(f"seed {seed} {name}: {total} steps, {elapsed:.1f} s, final {workload.metric} {final:.4f}", flush=True)
+        if target is None and name == dense and k == len(seeds) - 1:
+            target = default_target([p[3] for p in pending], higher)
+            for run in pending:
+                resolve(*run)
+            pending.clear()
+    summary = summarise_quality(curves, seeds, higher, cfg.quality_target, dense)
     return {**summary, "metric": workload.metric, "budget_steps": total, "epochs": cfg.epochs,
             "train_samples": int(train_x.shape[0]), "warmup_fraction": workload.recipe.warmup_fraction,
-            "curves": curves}
+            "curves": curves, "cheap_curves": cheap, "cheap_samples": cheap_n}
 
 
 def _accuracy_summary(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,296 @@
+"""Cheap sweeps of time to quality: steps on loopback, iteration time on each network.
+
+Steps to a quality target depend on the algorithm and the seed (the arithmetic), not on the network:
+on loopback and on a shaped link the same collectives sum the same numbers in the same order, so the
+curves are equal step for step (adaptive settings that read wall-clock time, such as GraVAC or
+COVAP's ``ratio=auto`` with ``adapt_every``, are the exception). Iteration time depends on the
+network. ``gradsync sweep`` therefore trains every entry to quality once per seed on loopback
+(``gradsync bench --to-quality``, one bench per entry, the dense one first: its mean final quality
+sets the target the others are gated on), times every entry on each emulated network (``gradsync
+bench`` without ``--to-quality``), and predicts
+
+    time to quality on network N = steps to the target (loopback) x median iteration time on N
+
+per seed, summarised as a measured run is (:func:`gradsync.bench.quality.summarise_quality`: olympic
+mean, median, spread, wins). :func:`validate` compares a prediction with a full shaped run; the
+prediction holds where every seed's error is within :data:`TOLERANCE`.
+
+Every sub-run writes ``bench.json`` under its own folder of the sweep's output together with the
+``gradsync bench`` arguments that made it; a later sweep with the same arguments reuses it, so an
+interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .quality import OLYMPIC_MIN_SEEDS, default_target, summarise_quality
+
+__all__ = ["TOLERANCE", "merge_quality", "predict", "validate", "slug", "run_or_reuse"]
+
+#: Largest relative error of a predicted time to quality that counts as "holds" (10 %).
+TOLERANCE = 0.10
+
+
+def slug(text: str) -> str:
+    """A folder name for a ``--algorithms`` entry or a network: ``covap:ratio=2:cast=fp16`` ->
+    ``covap_ratio-2_cast-fp16``."""
+    return text.replace(":", "_").replace("=", "-").replace(",", "+").replace("/", "-")
+
+
+def merge_quality(results: list[dict[str, Any]], dense: Optional[str] = "allreduce",
+                  target: Optional[float] = None) -> dict[str, Any]:
+    """One ``--to-quality`` summary from several ``gradsync bench --to-quality`` results (each a parsed
+    ``bench.json``; one entry each in a sweep), recomputed over all their curves.
+
+    Args:
+        results: bench results with a ``"quality"`` section, trained with the same seeds, metric and
+            budget.
+        dense: the entry whose mean final quality sets the target when ``target`` is None.
+        target: an absolute target.
+
+    Returns:
+        :func:`~gradsync.bench.quality.summarise_quality`'s dict plus ``"curves"``, ``"metric"``,
+        ``"budget_steps"``, ``"world_size"`` and ``"workload"``.
+
+    Raises:
+        ValueError: if ``results`` is empty, a result has no quality section, or they differ in seeds,
+            metric, budget or world size, or an entry appears twice.
+    """
+    if not results:
+        raise ValueError("results must hold at least one gradsync bench --to-quality result")
+    curves: dict[str, Any] = {}
+    first = None
+    for r in results:
+        q = r.get("quality")
+        if q is None:
+            raise ValueError("every result must come from gradsync bench --to-quality (no 'quality' section)")
+        key = (q["seeds"], q["metric"], q["budget_steps"], r["world_size"], r["config"]["workload"])
+        if first is None:
+            first = key
+        elif key != first:
+            raise ValueError(f"results must share seeds, metric, budget, world size and workload; got {key} and {first}")
+        for name, c in q["curves"].items():
+            if name in curves:
+                raise ValueError(f"entry {name!r} appears in more than one result")
+            curves[name] = c
+    seeds, metric, budget, world, workload = first
+    higher = results[0]["quality"]["higher_is_better"]
+    summary = summarise_quality(curves, seeds, higher, target, dense)
+    return {**summary, "curves": curves, "metric": metric, "budget_steps": budget, "world_size": world,
+            "workload": workload}
+
+
+def iteration_seconds(timing: dict[str, Any]) -> dict[str, float]:
+    """Median iteration time (seconds) per entry of a ``gradsync bench`` result."""
+    return {r["algorithm"]: r["iteration_s"]["median"] for r in timing["rows"]}
+
+
+def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
+    """Predicted time to quality on ``timing``'s network.
+
+    Args:
+        quality: :func:`merge_quality` of the loopback runs (or one bench's ``"quality"`` section).
+        timing: a ``gradsync bench`` result on the network (``rows`` with median ``iteration_s``); it
+            must time every entry of ``quality`` with the same world size.
+
+    Returns:
+        :func:`~gradsync.bench.quality.summarise_quality` of the curves with every point's seconds
+        replaced by ``steps x iteration_s`` (the target kept), plus ``"iteration_s"`` per entry,
+        ``"network"``, ``"dense_ccr"`` and ``"speedup_vs_dense"`` per entry (dense's olympic mean, or
+        median with fewer than 5 seeds, over the entry's; None where either is missing, as when a
+        seed the olympic mean keeps did not reach the target).
+
+    Raises:
+        ValueError: if ``timing`` lacks an entry of ``quality`` or its world size differs.
+    """
+    it = iteration_seconds(timing)
+    missing = sorted(set(quality["curves"]) - set(it))
+    if missing:
+        raise ValueError(f"timing must time every entry of the sweep; missing: {', '.join(missing)}")
+    if "world_size" in quality and timing["world_size"] != quality["world_size"]:
+        raise ValueError(f"timing's world size ({timing['world_size']}) must equal the quality runs' "
+                         f"({quality['world_size']})")
+    curves = {name: [[[p[0], p[0] * it[name], p[2]] for p in c] for c in per_seed]
+              for name, per_seed in quality["curves"].items()}
+    out = summarise_quality(curves, quality["seeds"], quality["higher_is_better"], quality["target"])
+    out["target_from"] = quality["target_from"]
+    dense = quality["target_from"] if quality["target_from"] in curves else "allreduce"
+    out["speedup_vs_dense"] = {name: _ratio(out["entries"].get(dense), e) for name, e in out["entries"].items()}
+    out.update(iteration_s={n: it[n] for n in curves}, network=timing.get("network"),
+               dense_ccr=timing.get("dense_ccr"))
+    return out
+
+
+def _headline(e: dict[str, Any]) -> Optional[float]:
+    """An entry's summary seconds: the olympic mean with >= 5 seeds (None when a kept seed did not
+    reach the target), the median with fewer."""
+    return e["olympic_mean_s"] if len(e["seconds_by_seed"]) >= OLYMPIC_MIN_SEEDS else e["median_s"]
+
+
+def _ratio(dense: Optional[dict[str, Any]], e: dict[str, Any]) -> Optional[float]:
+    if dense is None or _headline(dense) is None or _headline(e) is None:
+        return None
+    return _headline(dense) / _headline(e)
+
+
+def validate(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Compare a prediction (:func:`predict`) with a full shaped ``--to-quality`` run on the same network
+    (its ``"quality"`` section, same target: run it with ``--quality-target``).
+
+    Returns:
+        ``{"target", "rows": [{"entry", "seed", "predicted_s", "measured_s", "error"}], "max_error",
+        "holds"}``: ``error`` is ``predicted / measured - 1`` (None where either did not reach the
+        target; a seed reached in one and not the other counts as not holding), ``holds`` whether
+        every row is within :data:`TOLERANCE`.
+
+    Raises:
+        ValueError: if the targets differ or the measured run has an entry or seed the prediction lacks.
+    """
+    if not math.isclose(predicted["target"], measured["target"], rel_tol=1e-9):
+        raise ValueError(f"measured run's target ({measured['target']}) must equal the prediction's "
+                         f"({predicted['target']}): run it with --quality-target")
+    rows, holds = [], True
+    for name, m in measured["entries"].items():
+        if name not in predicted["entries"]:
+            raise ValueError(f"measured entry {name!r} is not in the prediction")
+        p = predicted["entries"][name]
+        for seed, ms in zip(measured["seeds"], m["seconds_by_seed"]):
+            if seed not in predicted["seeds"]:
+                raise ValueError(f"measured seed {seed} is not in the prediction")
+            ps = p["seconds_by_seed"][predicted["seeds"].index(seed)]
+            error = None if ps is None or ms is None else ps / ms - 1
+            holds &= (ps is None and ms is None) or (error is not None and abs(error) <= TOLERANCE)
+            rows.append({"entry": name, "seed": seed, "predicted_s": ps, "measured_s": ms, "error": error})
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    return {"target": measured["target"], "rows": rows, "max_error": max(errors) if errors else None,
+            "holds": holds and bool(rows)}
+
+
+def run_or_reuse(folder: Path, argv: list[str], run: Callable[[list[str]], int]) -> dict[str, Any]:
+    """``folder/bench.json`` when ``folder/argv.json`` records exactly ``argv``; otherwise
+    ``run(argv + ["--out", folder])`` (``gradsync bench``'s entry point) and then its result.
+
+    Raises:
+        RuntimeError: if the bench fails (its exit status is not 0).
+    """
+    folder = Path(folder)
+    record, result = folder / "argv.json", folder / "bench.json"
+    if record.exists() and result.exists() and json.loads(record.read_text()) == argv:
+        print(f"sweep: reusing {result} ({' '.join(argv)})", flush=True)
+        return json.loads(result.read_text())
+    rc = run(argv + ["--out", str(folder)])
+    if rc != 0:
+        raise RuntimeError(f"gradsync {' '.join(argv)} failed with exit status {rc}")
+    record.write_text(json.dumps(argv))
+    return json.loads(result.read_text())
+
+
+def dense_target(dense_result: dict[str, Any]) -> float:
+    """The default target from a dense entry's ``--to-quality`` bench: its mean final quality minus
+    0.5 points (accuracy) or plus 0.5 % (bits per character)."""
+    q = dense_result["quality"]
+    name = next(iter(q["entries"]))
+    return default_target(q["entries"][name]["final_by_seed"], q["higher_is_better"])
+
+
+def summary_rows(predicted: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per entry of a prediction, fastest first: entry, iteration ms, median steps to the
+    target, predicted olympic mean (or median) seconds, speed-up over dense, seeds reached."""
+    rows = []
+    for name, e in predicted["entries"].items():
+        steps = [s for s in e["steps_by_seed"] if s is not None]
+        rows.append({"entry": name, "iteration_ms": predicted["iteration_s"][name] * 1e3,
+                     "median_steps": statistics.median(steps) if steps else None,
+                     "predicted_s": _headline(e), "speedup": predicted["speedup_vs_dense"][name],
+                     "reached": e["reached"], "final_mean": e["final_mean"]})
+    return sorted(rows, key=lambda r: math.inf if r["predicted_s"] is None else r["predicted_s"])
+
+
+#: ``gradsync bench`` flags a sweep forwards to every sub-run (model, data and recipe), and those it
+#: forwards to the to-quality runs only.
+MODEL_FLAGS = ("workload", "model", "batch_size", "lr", "bucket_cap_mb", "data_dir")
+QUALITY_FLAGS = ("epochs", "train_samples", "eval_every", "eval_samples")
+
+
+def _flags(values: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+    return [x for k in keys if values.get(k) is not None for x in (f"--{k.replace('_', '-')}", str(values[k]))]
+
+
+def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list[float], out: Path,
+              values: dict[str, Any], run: Callable[[list[str]], int], steps: int = 20, warmup: int = 5,
+              rounds: int = 2, quality_target: Optional[float] = None,
+              validate_at: Optional[tuple[float, list[str], list[int]]] = None) -> dict[str, Any]:
+    """Run (or reuse) the sub-benches of a sweep and predict time to quality on every network.
+
+    Args:
+        entries: ``--algorithms`` entries; ``allreduce`` must be one unless ``quality_target`` is given.
+        seeds: seeds of the to-quality runs (>= 5 for olympic means).
+        hosts: ranks (emulated hosts, one rank each), >= 2.
+        bandwidths: the networks' link rates, Mbit/s.
+        out: the sweep's folder (``quality/<entry>/``, ``network-<hosts>x<rate>/``, ``validate-.../``).
+        values: :data:`MODEL_FLAGS` and :data:`QUALITY_FLAGS` values (None: the bench default).
+        run: ``gradsync``'s entry point (``gradsync.cli.main``), called with a bench argv.
+        steps, warmup, rounds: the timing benches' iterations.
+        quality_target: an absolute target; None: dense's mean final minus 0.5 points.
+        validate_at: ``(rate, entries, seeds)``: a full shaped to-quality run to check the prediction at
+            that rate (one of ``bandwidths``).
+
+    Returns:
+        ``{"quality": merge_quality(...), "networks": {rate: predict(...)}, "validation": validate(...)
+        or None}``, also written to ``out/sweep.json``.
+
+    Raises:
+        ValueError: naming entries (no allreduce without a target), bandwidths (empty, or a validation
+            rate not among them) or hosts (< 2).
+        RuntimeError: if a sub-run fails, or a timing run was not shaped (not root: no emulated cluster).
+    """
+    if hosts < 2:
+        raise ValueError(f"hosts must be an integer in [2, 64]; got {hosts}")
+    if not bandwidths:
+        raise ValueError("bandwidths must give at least one rate in Mbit/s")
+    if quality_target is None and "allreduce" not in entries:
+        raise ValueError("entries must include allreduce (its final quality sets the target) or give quality_target")
+    if validate_at is not None and validate_at[0] not in bandwidths:
+        raise ValueError(f"the validation rate {validate_at[0]:g} must be one of bandwidths {bandwidths}")
+    out = Path(out)
+    model, qual = _flags(values, MODEL_FLAGS), _flags(values, QUALITY_FLAGS)
+    seed_flag = ["--seeds", ",".join(map(str, seeds))]
+    short = ["--steps", "3", "--warmup", "1", "--rounds", "1"]
+
+    def quality_run(entry: str, target: Optional[float], folder: Path, network: list[str]) -> dict[str, Any]:
+        argv = (["bench", "--hosts", str(hosts), *network, "--algorithms", entry, "--to-quality", *seed_flag,
+                 *short, *model, *qual] + ([] if target is None else ["--quality-target", repr(target)]))
+        return run_or_reuse(folder, argv, run)
+
+    ordered = sorted(entries, key=lambda e: e != "allreduce")
+    results, target = [], quality_target
+    for entry in ordered:
+        results.append(quality_run(entry, target, out / "quality" / slug(entry), []))
+        if target is None:
+            target = dense_target(results[0])
+    merged = merge_quality(results, dense=None if quality_target is not None else "allreduce", target=quality_target)
+    networks = {}
+    for rate in bandwidths:
+        argv = ["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", ",".join(entries),
+                "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds), *model]
+        timing = run_or_reuse(out / f"network-{hosts}x{rate:g}mbit", argv, run)
+        if "NOT shaped" in str(timing.get("network", "")):
+            raise RuntimeError("the timing runs need an emulated cluster (root: network namespaces and tc); "
+                               f"bench ran on loopback instead: {timing.get('network')}")
+        networks[f"{rate:g}"] = predict(merged, timing)
+    validation = None
+    if validate_at is not None:
+        rate, v_entries, v_seeds = validate_at
+        v_argv_seeds = ["--seeds", ",".join(map(str, v_seeds))]
+        argv = (["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", ",".join(v_entries),
+                 "--to-quality", *v_argv_seeds, *short, *model, *qual, "--quality-target", repr(merged["target"])])
+        measured = run_or_reuse(out / f"validate-{hosts}x{rate:g}mbit", argv, run)
+        validation = {"bandwidth_mbit": rate, **validate(networks[f"{rate:g}"], measured["quality"])}
+    result = {"quality": merged, "networks": networks, "validation": validation, "hosts": hosts}
+    (out / "sweep.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,130 @@
+"""``gradsync sweep``: predicted time to quality = steps on loopback x iteration time per network, its
+validation against a measured run, merging one-entry benches, reuse of finished sub-runs and the
+argument checks (no processes: the sub-benches are replaced by recorded results)."""
+
+import json
+
+import pytest
+
+from gradsync.bench.sweep import TOLERANCE, merge_quality, predict, run_or_reuse, run_sweep, validate
+
+SEEDS = [0, 1, 2, 3, 4]
+
+
+def _quality_bench(name, curves, target=None, seeds=SEEDS):
+    """A ``gradsync bench --to-quality`` result of one entry: curves ``[[steps, seconds, quality], ...]``
+    per seed (seconds are loopback's and do not matter to the prediction)."""
+    from gradsync.bench.quality import summarise_quality
+
+    q = summarise_quality({name: curves}, seeds, True, target, name if target is None else None)
+    return {"world_size": 2, "config": {"workload": "fashion-mnist"},
+            "quality": {**q, "curves": {name: curves}, "metric": "test accuracy", "budget_steps": 40}}
+
+
+def _timing(iteration_s, network="2 hosts at 5 Mbit/s"):
+    return {"world_size": 2, "network": network, "dense_ccr": 7.0,
+            "rows": [{"algorithm": k, "iteration_s": {"median": v}} for k, v in iteration_s.items()]}
+
+
+# dense ends at 0.90-0.92 (target 0.905) and reaches it at step 40 on seeds 1, 2, 4 only; "fast" reaches it
+# at step 20 (seed 3: 30)
+DENSE = [[[10, 9.0, 0.5], [20, 9.0, 0.7], [30, 9.0, 0.90], [40, 9.0, f]] for f in (0.90, 0.91, 0.92, 0.90, 0.92)]
+FAST = [[[10, 9.0, 0.5], [20, 9.0, 0.6 if s == 3 else 0.95], [30, 9.0, 0.95], [40, 9.0, 0.95]] for s in SEEDS]
+
+
+def test_prediction_is_steps_to_target_times_iteration_time_and_validates_against_a_measured_run():
+    merged = merge_quality([_quality_bench("allreduce", DENSE), _quality_bench("fast", FAST, 0.905)])
+    assert merged["target"] == pytest.approx(0.905) and merged["target_from"] == "allreduce"
+    pred = predict(merged, _timing({"allreduce": 0.7, "fast": 0.2, "unused": 1.0}))
+    d, f = pred["entries"]["allreduce"], pred["entries"]["fast"]
+    assert d["seconds_by_seed"] == [None, pytest.approx(28.0), pytest.approx(28.0), None, pytest.approx(28.0)]
+    assert f["seconds_by_seed"] == pytest.approx([4.0, 4.0, 4.0, 6.0, 4.0])
+    assert f["olympic_mean_s"] == pytest.approx(4.0) and d["olympic_mean_s"] is None  # 2 seeds never reach
+    assert f["wins"]["allreduce"] == SEEDS and pred["speedup_vs_dense"]["fast"] is None
+    assert pred["iteration_s"] == {"allreduce": 0.7, "fast": 0.2} and pred["dense_ccr"] == 7.0
+    # a shaped run measured 4.2 s and 6.5 s on seeds 0 and 3: errors -4.8 % and -7.7 %, within 10 %
+    measured = _quality_bench("fast", [FAST[0], FAST[3]], 0.905, seeds=[0, 3])["quality"]
+    measured["entries"]["fast"]["seconds_by_seed"] = [4.2, 6.5]
+    v = validate(pred, measured)
+    assert v["holds"] and v["max_error"] == pytest.approx(1 - 6.0 / 6.5)
+    assert [r["seed"] for r in v["rows"]] == [0, 3]
+    measured["entries"]["fast"]["seconds_by_seed"] = [4.2, 6.0 / (1 - TOLERANCE) + 0.1]
+    assert not validate(pred, measured)["holds"]
+    measured["entries"]["fast"]["seconds_by_seed"] = [4.2, None]  # reached in the prediction only
+    assert not validate(pred, measured)["holds"]
+    measured["target"] = 0.9
+    with pytest.raises(ValueError, match="--quality-target"):
+        validate(pred, measured)
+    with pytest.raises(ValueError, match="missing: fast"):
+        predict(merged, _timing({"allreduce": 0.7}))
+
+
+def test_merge_refuses_mismatched_runs():
+    with pytest.raises(ValueError, match="at least one"):
+        merge_quality([])
+    other = _quality_bench("fast", FAST, 0.905)
+    other["world_size"] = 3
+    with pytest.raises(ValueError, match="world size"):
+        merge_quality([_quality_bench("allreduce", DENSE), other])
+    with pytest.raises(ValueError, match="more than one"):
+        merge_quality([_quality_bench("allreduce", DENSE), _quality_bench("allreduce", DENSE)])
+
+
+def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_runs(tmp_path):
+    calls = []
+
+    def fake_bench(argv):
+        """Stands in for ``gradsync bench``: writes the recorded result a real run would."""
+        calls.append(argv)
+        out = argv[argv.index("--out") + 1]
+        entries = argv[argv.index("--algorithms") + 1]
+        if "--to-quality" in argv:
+            target = float(argv[argv.index("--quality-target") + 1]) if "--quality-target" in argv else None
+            result = _quality_bench(entries, DENSE if entries == "allreduce" else FAST, target)
+        else:
+            result = _timing({e: 0.1 for e in entries.split(",")})
+        from pathlib import Path
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench.json").write_text(json.dumps(result))
+        return 0
+
+    values = {"epochs": 2, "eval_every": 26}
+    run = lambda: run_sweep(["fast", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)  # noqa: E731
+    result = run()
+    quality_calls = [c for c in calls if "--to-quality" in c]
+    assert [c[c.index("--algorithms") + 1] for c in quality_calls] == ["allreduce", "fast"]
+    assert "--quality-target" not in quality_calls[0]
+    assert float(quality_calls[1][quality_calls[1].index("--quality-target") + 1]) == pytest.approx(0.905)
+    assert all(c[c.index("--epochs") + 1] == "2" and "--bandwidth" not in c for c in quality_calls)
+    assert [c[c.index("--bandwidth") + 1] for c in calls if "--to-quality" not in c] == ["5", "40"]
+    assert set(result["networks"]) == {"5", "40"} and (tmp_path / "sweep.json").exists()
+    n = len(calls)
+    run()
+    assert len(calls) == n, "a rerun with the same arguments reuses every finished sub-run"
+    with pytest.raises(ValueError, match="allreduce"):
+        run_sweep(["fast"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench)
+    with pytest.raises(ValueError, match="hosts"):
+        run_sweep(["allreduce"], SEEDS, 1, [5.0], tmp_path, {}, fake_bench)
+    with pytest.raises(ValueError, match="validation rate"):
+        run_sweep(["allreduce"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench, validate_at=(10.0, ["allreduce"], [0]))
+
+
+def test_a_timing_run_on_loopback_is_refused(tmp_path):
+    def loopback(argv):
+        folder = argv[argv.index("--out") + 1]
+        from pathlib import Path
+
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        result = (_quality_bench("allreduce", DENSE) if "--to-quality" in argv
+                  else _timing({"allreduce": 0.1}, network="loopback, NOT shaped (no --bandwidth)"))
+        (Path(folder) / "bench.json").write_text(json.dumps(result))
+        return 0
+
+    with pytest.raises(RuntimeError, match="emulated cluster"):
+        run_sweep(["allreduce"], SEEDS, 2, [5.0], tmp_path, {}, loopback)
+
+
+def test_run_or_reuse_raises_when_the_bench_fails(tmp_path):
+    with pytest.raises(RuntimeError, match="exit status 2"):
+        run_or_reuse(tmp_path / "a", ["bench", "--algorithms", "allreduce"], lambda argv: 2)
