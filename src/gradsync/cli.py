@@ -40,7 +40,7 @@ def _auto_adapt(options: dict, algorithms: list[str]) -> dict:
     from .algorithms.covap import AUTO_ADAPT_EVERY
 
     if (options.get("ratio") == "auto" and "adapt_every" not in options
-            and any("adapt_every" in REGISTRY[parse_entry(a)[0]].options.keys() for a in algorithms)):
+            and any("adapt_every" in REGISTRY[parse_entry(a)[0]].options.keys() for a in algorithms if a != "auto")):
         options = {**options, "adapt_every": AUTO_ADAPT_EVERY}
     return options
 

@@ -20,7 +20,8 @@ class BenchConfig(SharedConfig):
     accepts is an error. An entry of ``algorithms`` is an algorithm name, optionally with its own
     options (``NAME:KEY=VALUE[:KEY=VALUE...]``, e.g. ``powersgd:matrix_approximation_rank=4`` or
     ``covap:ratio=2:cast=fp16``), which override ``options`` for that entry; the same algorithm may
-    appear in several entries with different options (see :func:`parse_entry`)."""
+    appear in several entries with different options (see :func:`parse_entry`). The entry ``auto``
+    is the setting :mod:`gradsync.profiler.auto` chooses from the run's measured profile and network."""
 
     algorithms: list[str] = option(None, "comma-separated entries NAME or NAME:KEY=VALUE[:KEY=VALUE...] "
                                    "(per-entry algorithm options, e.g. powersgd:matrix_approximation_rank=1,"
@@ -78,7 +79,8 @@ class BenchConfig(SharedConfig):
             raise ValueError("algorithms must name at least one algorithm")
         self.algorithms = [a.strip() for a in self.algorithms]
         for a in self.algorithms:
-            parse_entry(a)
+            if a != AUTO:
+                parse_entry(a)
         if len(set(self.algorithms)) != len(self.algorithms):
             raise ValueError(f"algorithms must not repeat an entry, got {self.algorithms}")
         seeds = []
@@ -97,14 +99,15 @@ class BenchConfig(SharedConfig):
         if unknown:
             raise ValueError(f"options {', '.join(unknown)} are taken by no algorithm; known: {', '.join(sorted(accepted))}")
         for a in self.algorithms:
-            self.algorithm_options(a)
+            if a != AUTO:
+                self.algorithm_options(a)
         if self.to_quality and self.quality_target is None and self.dense_entry() is None:
             raise ValueError("to_quality needs an allreduce entry in algorithms (its final quality sets the "
                              "target) or an explicit quality_target (--quality-target)")
 
     def dense_entry(self) -> Optional[str]:
         """The ``allreduce`` entry of ``algorithms`` (the dense reference of ``--to-quality``), or None."""
-        return next((a for a in self.algorithms if parse_entry(a)[0] == "allreduce"), None)
+        return next((a for a in self.algorithms if a != AUTO and parse_entry(a)[0] == "allreduce"), None)
 
     def higher_is_better(self) -> bool:
         """Whether the workload's quality is test accuracy (higher is better) rather than bits per

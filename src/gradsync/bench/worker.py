@@ -27,6 +27,8 @@ import torch.nn.functional as F
 
 from ..comm.agreement import check_config_agreement
 from ..launch import write_result
+from ..options import AUTO
+from ..profiler.auto import agreed_profile, choose
 from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
@@ -90,9 +92,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         ctx = BuildContext(model=copy.deepcopy(model0 if model is None else model), make_optimizer=make_optimizer,
                            bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed if seed is None else seed,
                            batch_size=cfg.batch_size)
-        dp = build(parse_entry(name)[0], ctx, cfg.algorithm_options(name))
+        entry = chosen[AUTO]["entry"] if name == AUTO else name
+        dp = build(parse_entry(entry)[0], ctx, cfg.algorithm_options(entry))
         if dp.needs_ccr:
-            chosen[name] = dp.calibrate(ccr_for(dp.wire_dtype).ccr)
+            chosen[name] = {**chosen.get(name, {}), **dp.calibrate(ccr_for(dp.wire_dtype).ccr)}
         return dp
 
     def ccr_for(dtype: torch.dtype | None):
@@ -122,6 +125,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     it = iter(batches * 4)
     profile = record_profile(copy.deepcopy(model0), lambda: next(it), loss_fn, make_optimizer, cfg.workload,
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
+    if AUTO in cfg.algorithms:  # the choice from this run's profile and network (every rank the same)
+        agreed, allreduce_s = agreed_profile(profile, ccr.allreduce_s)
+        advice = choose(agreed, world, allreduce_s, workload.optimizer)
+        chosen[AUTO] = {"entry": advice.choice.entry, "reason": advice.reason}
+        if rank == 0:
+            print(f"auto: {advice.choice.entry}: {advice.reason}", flush=True)
 
     records: dict[str, dict[str, list[float]]] = {
         a: {"iter_s": [], "wire_bytes": [], "payload_bytes": [], "dense_wire_bytes": [], "compress_s": [],
@@ -187,7 +196,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             "dense_wire_bytes_per_iteration": statistics.median(rec["dense_wire_bytes"]),
             "compression_ratio": compression_ratio(statistics.median(rec["dense_wire_bytes"]),
                                                    statistics.median(rec["wire_bytes"])),
-            "options": {**cfg.algorithm_options(name).to_dict(), **{
+            "options": {**cfg.algorithm_options(chosen[AUTO]["entry"] if name == AUTO else name).to_dict(), **{
                 k: v for k, v in chosen.get(name, {}).items() if k != "ccr"}},
             "rs_wait_s": statistics.median(rec["rs_wait_s"]),
             "ag_wait_s": statistics.median(rec["ag_wait_s"]),

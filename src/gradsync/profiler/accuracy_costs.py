@@ -28,6 +28,7 @@ class AccuracyCost:
         workload: what was trained (workload and model).
         target: the quality threshold (e.g. ``80 % test accuracy``).
         source: the README results section and the command that printed the numbers.
+        optimizer: the optimizer family of the run (``"sgd"``: SGD with momentum; ``"adamw"``).
     """
 
     entry: str
@@ -38,6 +39,7 @@ class AccuracyCost:
     workload: str
     target: str
     source: str
+    optimizer: str = "sgd"
 
     @property
     def extra_steps(self) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,8 +132,10 @@ def _cost_row(entry: str, world_size: int, costs: Sequence[AccuracyCost]) -> Acc
     return min(rows, key=lambda c: (abs(c.world_size - world_size), -c.seeds)) if rows else None
 
 
-def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost]) -> tuple[float | None, str, str | None]:
-    """``(extra_steps, cost in words, source)`` of ``entry``."""
+def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost],
+          assume_casts: bool = True) -> tuple[float | None, str, str | None]:
+    """``(extra_steps, cost in words, source)`` of ``entry``; a 16-bit cast without a measurement
+    counts as lossless only with ``assume_casts``."""
     if entry in LOSSLESS:
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
     row = _cost_row(entry, world_size, costs)
@@ -141,14 +143,15 @@ def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost]) -> tuple[f
         seeds = f"{row.seeds} seed{'s' if row.seeds > 1 else ''}"
         return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to "
                                  f"{row.target}, {seeds}, {row.world_size} ranks)"), row.source
-    if entry in CASTS:
+    if entry in CASTS and assume_casts:
         return 0.0, "0 assumed (16-bit cast, not measured)", None
     return None, "not measured", None
 
 
 def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
            costs: Sequence[AccuracyCost] = MEASURED_COSTS, latency_s: float = 0.0,
-           overlap_efficiency: float = 1.0) -> Advice:
+           overlap_efficiency: float = 1.0, assume_casts: bool = True,
+           allowed: Callable[[str], bool] = lambda entry: True) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -162,6 +165,9 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         latency_s: per-message latency alpha in seconds, >= 0.
         overlap_efficiency: (0, 1], rate of communication during backward (see
             :func:`gradsync.sim.simulate`).
+        assume_casts: count the fp16/bf16 casts as lossless where ``costs`` has no row for them
+            (``gradsync doctor``); False ranks them as "not measured" (``--algorithm auto``).
+        allowed: which candidate entries to consider (DDP's all-reduce always is).
 
     Returns:
         :class:`Advice`.
@@ -177,8 +183,10 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
     ccr = ccr_at(prof, world_size, bandwidth_mbit, latency_s)
     rows = []
     for entry, label, plan in candidates():
+        if entry != "allreduce" and not allowed(entry):
+            continue
         t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
-        extra, cost, source = _cost(entry, world_size, costs)
+        extra, cost, source = _cost(entry, world_size, costs, assume_casts)
         rows.append(Prediction(entry, label, t, 0.0, extra, cost, source, None if extra is None else t * (1 + extra)))
     dense = rows[0].iteration_s
     rows = [dataclasses.replace(r, speedup=dense / r.iteration_s) for r in rows]
@@ -186,9 +194,13 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
     ranked = sorted(rows, key=lambda r: (not r.measured, r.time_to_quality_s if r.measured else r.iteration_s,
                                          order[r.entry]))
     ddp = next(r for r in ranked if r.entry == "allreduce")
-    best = next(r for r in ranked if r.measured and r is not ddp)  # the casts always are
-    gain = ddp.time_to_quality_s / best.time_to_quality_s
-    if ccr < LOW_CCR:
+    best = next((r for r in ranked if r.measured and r is not ddp), None)
+    gain = ddp.time_to_quality_s / best.time_to_quality_s if best is not None else 0.0
+    if best is None:
+        choice = ddp
+        reason = (f"CCR {ccr:.2f}: no other setting has a measured accuracy cost for this job; use plain DDP "
+                  f"(allreduce).")
+    elif ccr < LOW_CCR:
         choice = ddp
         reason = (f"CCR {ccr:.2f} < {LOW_CCR}: a dense all-reduce takes under half the backward pass and DDP "
                   f"overlaps it with backward; use plain DDP (allreduce): compression would only add work.")

@@ -21,6 +21,7 @@ def fmt_bytes(n: float) -> str:
 def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [
         ("algorithm", s["algorithm"] + (f" (K={s['ratio']})" if "ratio" in s else "")),
+        *([("auto chose", f"{s['auto_choice']}: {s['auto_reason']}")] if "auto_choice" in s else []),
         ("world size", str(s["world_size"])),
         *([("network", s["network"])] if "network" in s else []),
         *([("process group", s["backend"])] if "backend" in s else []),  # backend (why)

@@ -39,7 +39,9 @@ class TrainConfig(SharedConfig):
             the allowed range.
     """
 
-    algorithm: str = option("allreduce", "gradient-synchronisation algorithm", choices=sorted(REGISTRY))
+    algorithm: str = option("allreduce", "gradient-synchronisation algorithm; auto: the setting with the least "
+                            "predicted time to quality on the measured network (gradsync.profiler.auto)",
+                            choices=sorted([*REGISTRY, AUTO]))
     bucket_cap_mb: Union[float, str] = option(AUTO, "DDP bucket size; auto: the model's gradient size / 16, "
                                               "clamped to [0.01, 25] (at least 8 buckets, so compression can "
                                               "overlap with the backward pass)", low=0.0, high=1024.0,
@@ -93,7 +95,16 @@ class TrainConfig(SharedConfig):
             raise ValueError("checkpoint_every needs checkpoint (--checkpoint DIR) to say where to write")
         if self.resume == "latest" and not self.checkpoint:
             raise ValueError("resume 'latest' needs checkpoint (--checkpoint DIR) to say where to look")
-        self.options = make_options(self.algorithm, self.options).to_dict()
+        if self.algorithm == AUTO:
+            if self.options:
+                raise ValueError(f"options {', '.join(sorted(self.options))} cannot be given with algorithm 'auto', "
+                                 f"which chooses the algorithm and its options; name an algorithm to set them")
+            if self.resume:
+                raise ValueError("resume needs the algorithm the interrupted run used, not 'auto' (a new "
+                                 "measurement could choose another): pass the algorithm and options its summary "
+                                 "names (metrics.json: auto_choice)")
+        else:
+            self.options = make_options(self.algorithm, self.options).to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         return dict(super().to_dict())

@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
-from ..algorithms import BuildContext, Precision, build
+from ..algorithms import BuildContext, Precision, build, parse_entry
+from ..options import AUTO
+from ..profiler.auto import resolve_auto
 from ..algorithms.base import compression_ratio
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
@@ -117,18 +119,26 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=bucket_cap_mb, device=device,
                        seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch,
                        scaler=precision.scaler)
-    dp = build(cfg.algorithm, ctx, cfg.options)
+    algorithm, options, auto = cfg.algorithm, cfg.options, None
+    if algorithm == AUTO:
+        entry, advice = resolve_auto(model, warm, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
+                                     cfg.batch_size, bucket_cap_mb)
+        algorithm, options = parse_entry(entry)
+        auto = {"auto_choice": entry, "auto_reason": advice.reason, "auto_ccr": advice.ccr}
+        if rank == 0:
+            print(f"auto: {entry}: {advice.reason}", flush=True)
+    dp = build(algorithm, ctx, options)
     opt = dp.optimizer
     check_config_agreement(dp.config())
     dp.warm_up(warm, loss_fn)
-    bucket_warning = _bucket_warning(cfg.algorithm, dp, rank)
+    bucket_warning = _bucket_warning(algorithm, dp, rank)
     ccr = None
     if dp.needs_ccr:
         ccr = measure_ccr(dp.bucket_numels(), compute.backward_s, dtype=dp.wire_dtype or torch.float32)
         chosen = dp.calibrate(ccr.ccr)
         if rank == 0:
             picked = ", ".join(f"{k} = {v}" for k, v in chosen.items() if k != "ccr")
-            print(f"{cfg.algorithm}: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
+            print(f"{algorithm}: dense all-reduce {ccr.allreduce_s * 1e3:.2f} ms, backward "
                   f"{ccr.backward_s * 1e3:.2f} ms, CCR {ccr.ccr:.3f} -> {picked}", flush=True)
         check_config_agreement(dp.config())
 
@@ -140,7 +150,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     progress = None
     if rank == 0 and cfg.progress:
         from tqdm import tqdm
-        progress = tqdm(total=total_steps, desc=f"{cfg.algorithm} x{world}", unit="it", dynamic_ncols=True)
+        progress = tqdm(total=total_steps, desc=f"{algorithm} x{world}", unit="it", dynamic_ncols=True)
 
     iterations: list[dict[str, float]] = []
     epoch_log: list[dict[str, float]] = []
@@ -225,6 +235,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     iter_times = [it["iter_s"] for it in iterations]
     summary = {
         "algorithm": cfg.algorithm,
+        **(auto or {}),
         "world_size": world,
         "epochs": len(epoch_log),
         "steps": step,

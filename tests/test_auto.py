@@ -1,0 +1,72 @@
+"""``--algorithm auto`` (gradsync.profiler.auto): the choice from a measured profile and all-reduce time,
+only among settings whose accuracy cost was measured for the job's optimizer family; train's and
+bench's use of it end to end on 2 Gloo ranks (loopback: CCR far below 0.5, so dense all-reduce)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradsync.profiler.accuracy_costs import AccuracyCost
+from gradsync.profiler.auto import choose, effective_bandwidth_mbit
+from gradsync.profiler.profile import ccr_at
+from gradsync.sim import synthetic_profile
+from gradsync.train.config import TrainConfig
+from cli_runner import run_cli
+
+#: 8 buckets of 20k fp32 elements, 30 ms backward (see tests/test_doctor.py)
+PROFILE = synthetic_profile([20_000] * 8, 0.010, 0.030, 0.002)
+
+
+def _cost(entry, steps, optimizer="sgd"):
+    return AccuracyCost(entry, steps, 200, 2, 5, "synthetic", "dense - 0.5", "test", optimizer)
+
+
+def test_effective_bandwidth_reproduces_the_measured_all_reduce_time():
+    bw = effective_bandwidth_mbit(PROFILE, 4, 0.25)
+    assert ccr_at(PROFILE, 4, bw) * PROFILE.backward_s == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="allreduce_s"):
+        effective_bandwidth_mbit(PROFILE, 2, 0.0)
+
+
+def test_auto_weighs_iteration_time_with_measured_extra_steps_of_the_optimizer_family():
+    costs = [_cost("fp16", 200), _cost("powersgd:matrix_approximation_rank=4", 200),
+             _cost("covap:ratio=4:cast=fp16", 400), _cost("powersgd:matrix_approximation_rank=4", 200, "adamw")]
+    slow = 0.30  # a dense all-reduce of 10x the backward pass
+    a = choose(PROFILE, 2, slow, "sgd", costs)
+    assert a.ccr == pytest.approx(10.0) and a.choice.entry == "powersgd:matrix_approximation_rank=4"
+    # covap K=4 is faster per iteration here but needs twice the steps; unmeasured settings never win
+    ranked = [r.entry for r in a.predictions if r.measured]
+    assert ranked.index("powersgd:matrix_approximation_rank=4") < ranked.index("covap:ratio=4:cast=fp16")
+    assert not next(r for r in a.predictions if r.entry == "bf16").measured  # a cast is not assumed lossless
+    # the same network with AdamW: only the AdamW measurement counts
+    assert choose(PROFILE, 2, slow, "adamw", costs).choice.entry == "powersgd:matrix_approximation_rank=4"
+    # no AdamW measurement: DeAR (same arithmetic as DDP) is the only alternative, too little faster
+    dear_only = choose(PROFILE, 2, slow, "adamw", costs[:3])
+    assert dear_only.choice.entry == "allreduce" and "alternative, DeAR" in dear_only.reason
+    none = choose(PROFILE, 2, slow, "adamw", costs[:3], allowed=lambda e: e != "dear")
+    assert none.choice.entry == "allreduce" and "no other setting has a measured accuracy cost" in none.reason
+    # a fast network: dense all-reduce; a restricted candidate list: the best allowed one
+    assert choose(PROFILE, 2, 0.003, "sgd", costs).choice.entry == "allreduce"
+    only_fp16 = choose(PROFILE, 2, slow, "sgd", costs, allowed=lambda e: e == "fp16")
+    assert only_fp16.choice.entry == "fp16" and {r.entry for r in only_fp16.predictions} == {"allreduce", "fp16"}
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"algorithm": "auto", "options": {"ratio": 2}}, "ratio"),
+    ({"algorithm": "auto", "resume": "runs/x"}, "resume"),
+])
+def test_train_auto_refuses_options_and_resume(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        TrainConfig(**kwargs)
+
+
+def test_train_auto_measures_chooses_and_names_the_choice(tmp_path):
+    proc = run_cli(["train", "--algorithm", "auto", "--max-steps", "3", "--train-samples", "1024",
+                    "--eval-samples", "200", "--no-progress", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    # loopback: the all-reduce is far faster than the backward pass
+    assert s["algorithm"] == "auto" and s["auto_choice"] == "allreduce" and s["auto_ccr"] < 0.5
+    assert s["auto_reason"].startswith("CCR ") and "auto chose" in proc.stdout
