@@ -96,7 +96,7 @@ def test_to_quality_config_is_validated():
 def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     proc = run_cli(
         ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms",
-         "allreduce,fp16", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
+         "allreduce,fp16,auto", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
          "--eval-every", "2", "--eval-samples", "2400", "--out", str(tmp_path)],
         timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -114,6 +114,10 @@ def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
         assert [[p[0] for p in c] for c in q["cheap_curves"][name]] == [[2, 4]] * 2
         assert all([p[0] for p in c] in ([4], [2, 4]) for c in q["curves"][name])
         assert all(0 < p[2] <= 1 and p[1] > 0 for c in q["curves"][name] + q["cheap_curves"][name] for p in c)
+    # auto on loopback (CCR far below 0.5) keeps dense all-reduce: the same arithmetic, the same curves
+    auto = next(r for r in json.loads((tmp_path / "bench.json").read_text())["rows"] if r["algorithm"] == "auto")
+    assert auto["options"]["entry"] == "allreduce" and auto["options"]["reason"].startswith("CCR ")
+    assert [[p[2] for p in c] for c in q["cheap_curves"]["auto"]] == [[p[2] for p in c] for c in q["cheap_curves"]["allreduce"]]
     finals = q["entries"]["allreduce"]["final_by_seed"]
     assert q["target"] == pytest.approx(sum(finals) / 2 - 0.005)
     assert q["curves"]["allreduce"][0] != q["curves"]["allreduce"][1], "seeds train different models"

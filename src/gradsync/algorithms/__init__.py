@@ -44,8 +44,13 @@ def get(name: str) -> AlgorithmSpec:
     """The spec registered as ``name``.
 
     Raises:
-        ValueError: for an unknown name, listing the registered ones.
+        ValueError: for an unknown name, listing the registered ones; for ``"auto"``, saying where
+            the choice is made (:func:`gradsync.profiler.auto.resolve_auto`).
     """
+    if name == "auto":
+        raise ValueError("algorithm 'auto' measures the model and the network before it chooses: gradsync train "
+                         "and bench do that; in a script call gradsync.profiler.auto.resolve_auto(...) on every "
+                         "rank and pass the entry it returns (parse_entry splits it) here")
     if name not in REGISTRY:
         raise ValueError(f"algorithm must be one of {', '.join(sorted(REGISTRY))}; got {name!r}")
     return REGISTRY[name]
