@@ -57,6 +57,14 @@ def test_prediction_is_steps_to_target_times_iteration_time_and_validates_agains
         validate(pred, measured)
     with pytest.raises(ValueError, match="missing: fast"):
         predict(merged, _timing({"allreduce": 0.7}))
+    # auto: the steps of the entry it chose on that network, its own iteration time
+    timing = {**_timing({"allreduce": 0.7, "fast": 0.2, "auto": 0.25}),
+              "chosen_from_ccr": {"auto": {"entry": "fast", "reason": "CCR 7.00: ..."}}}
+    auto = predict(merged, timing)
+    assert auto["auto_choice"] == "fast" and auto["auto_not_swept"] is None
+    assert auto["entries"]["auto"]["seconds_by_seed"] == pytest.approx([5.0, 5.0, 5.0, 7.5, 5.0])
+    timing["chosen_from_ccr"]["auto"]["entry"] = "other"
+    assert "auto" not in predict(merged, timing)["entries"] and predict(merged, timing)["auto_not_swept"] == "other"
 
 
 def test_merge_refuses_mismatched_runs():
@@ -90,10 +98,10 @@ def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_run
         return 0
 
     values = {"epochs": 2, "eval_every": 26}
-    run = lambda: run_sweep(["fast", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)  # noqa: E731
+    run = lambda: run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)  # noqa: E731
     result = run()
     quality_calls = [c for c in calls if "--to-quality" in c]
-    assert [c[c.index("--algorithms") + 1] for c in quality_calls] == ["allreduce", "fast"]
+    assert [c[c.index("--algorithms") + 1] for c in quality_calls] == ["allreduce", "fast"]  # auto: timed only
     assert "--quality-target" not in quality_calls[0]
     assert float(quality_calls[1][quality_calls[1].index("--quality-target") + 1]) == pytest.approx(0.905)
     assert all(c[c.index("--epochs") + 1] == "2" and "--bandwidth" not in c for c in quality_calls)

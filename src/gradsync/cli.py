@@ -381,13 +381,17 @@ def _sweep(args: argparse.Namespace) -> int:
         for col in ("entry", "iteration ms", "median steps", "predicted s", "vs allreduce", "reached", "final (mean)"):
             table.add_column(col, justify="left" if col == "entry" else "right", overflow="fold")
         for r in summary_rows(pred):
-            table.add_row(r["entry"], f"{r['iteration_ms']:.1f}",
+            name = r["entry"] + (f" (chose {pred['auto_choice']})" if r["entry"] == "auto" else "")
+            table.add_row(name, f"{r['iteration_ms']:.1f}",
                           "-" if r["median_steps"] is None else f"{r['median_steps']:g}",
                           "not reached" if r["predicted_s"] is None else f"{r['predicted_s']:.1f}",
                           "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
                           f"{r['reached']}/{len(q['seeds'])}",
                           f"{r['final_mean'] * 100:.2f}%" if hib else f"{r['final_mean']:.4f}")
         console.print(table)
+        if pred["auto_not_swept"]:
+            print(f"auto chose {pred['auto_not_swept']} at {rate} Mbit/s, which the sweep did not train: add it to "
+                  f"--algorithms to predict its time to quality")
     v = result["validation"]
     if v is not None:
         for row in v["rows"]:

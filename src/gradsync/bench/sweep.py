@@ -105,10 +105,18 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
         median with fewer than 5 seeds, over the entry's; None where either is missing, as when a
         seed the olympic mean keeps did not reach the target).
 
+    An ``auto`` row of ``timing`` (the entry :mod:`gradsync.profiler.auto` chose on that network) is
+    predicted with the steps of the entry it chose and its own iteration time; ``"auto_choice"`` names
+    the entry (None without an auto row; an ``auto`` whose choice was not swept is left out, named in
+    ``"auto_not_swept"``).
+
     Raises:
         ValueError: if ``timing`` lacks an entry of ``quality`` or its world size differs.
     """
     it = iteration_seconds(timing)
+    auto_choice = timing.get("chosen_from_ccr", {}).get("auto", {}).get("entry") if "auto" in it else None
+    if auto_choice is not None and auto_choice in quality["curves"] and "auto" not in quality["curves"]:
+        quality = {**quality, "curves": {**quality["curves"], "auto": quality["curves"][auto_choice]}}
     missing = sorted(set(quality["curves"]) - set(it))
     if missing:
         raise ValueError(f"timing must time every entry of the sweep; missing: {', '.join(missing)}")
@@ -122,7 +130,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
     dense = quality["target_from"] if quality["target_from"] in curves else "allreduce"
     out["speedup_vs_dense"] = {name: _ratio(out["entries"].get(dense), e) for name, e in out["entries"].items()}
     out.update(iteration_s={n: it[n] for n in curves}, network=timing.get("network"),
-               dense_ccr=timing.get("dense_ccr"))
+               dense_ccr=timing.get("dense_ccr"), auto_choice=auto_choice,
+               auto_not_swept=auto_choice if auto_choice is not None and "auto" not in curves else None)
     return out
 
 
@@ -229,6 +238,9 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
 
     Args:
         entries: ``--algorithms`` entries; ``allreduce`` must be one unless ``quality_target`` is given.
+            ``auto`` is timed on every network and predicted with the steps of the entry it chose
+            there (which must be among ``entries``), not trained on loopback (where it would choose
+            for loopback).
         seeds: seeds of the to-quality runs (>= 5 for olympic means).
         hosts: ranks (emulated hosts, one rank each), >= 2.
         bandwidths: the networks' link rates, Mbit/s.
@@ -267,7 +279,7 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
                  *short, *model, *qual] + ([] if target is None else ["--quality-target", repr(target)]))
         return run_or_reuse(folder, argv, run)
 
-    ordered = sorted(entries, key=lambda e: e != "allreduce")
+    ordered = sorted((e for e in entries if e != "auto"), key=lambda e: e != "allreduce")
     results, target = [], quality_target
     for entry in ordered:
         results.append(quality_run(entry, target, out / "quality" / slug(entry), []))
