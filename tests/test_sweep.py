@@ -23,7 +23,7 @@ def _quality_bench(name, curves, target=None, seeds=SEEDS):
 
 def _timing(iteration_s, network="2 hosts at 5 Mbit/s"):
     return {"world_size": 2, "network": network, "dense_ccr": 7.0,
-            "rows": [{"algorithm": k, "iteration_s": {"median": v}} for k, v in iteration_s.items()]}
+            "rows": [{"algorithm": k, "iteration_s": {"median": 0.9 * v, "mean": v}} for k, v in iteration_s.items()]}
 
 
 # dense ends at 0.90-0.92 (target 0.905) and reaches it at step 40 on seeds 1, 2, 4 only; "fast" reaches it

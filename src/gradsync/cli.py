@@ -375,7 +375,7 @@ def _sweep(args: argparse.Namespace) -> int:
     for rate, pred in result["networks"].items():
         table = Table(title=f"gradsync sweep: predicted time to {q['metric']} {target}, {args.hosts} hosts at {rate} "
                             f"Mbit/s (dense CCR {pred['dense_ccr']:.2f})",
-                      caption=f"steps to target on loopback ({len(q['seeds'])} seeds: {q['seeds']}) x median "
+                      caption=f"steps to target on loopback ({len(q['seeds'])} seeds: {q['seeds']}) x mean "
                               f"iteration time on {pred['network']}; seconds: olympic mean over >= 5 seeds, "
                               f"else median")
         for col in ("entry", "iteration ms", "median steps", "predicted s", "vs allreduce", "reached", "final (mean)"):

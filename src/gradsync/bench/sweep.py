@@ -9,7 +9,7 @@ network. ``gradsync sweep`` therefore trains every entry to quality once per see
 sets the target the others are gated on), times every entry on each emulated network (``gradsync
 bench`` without ``--to-quality``), and predicts
 
-    time to quality on network N = steps to the target (loopback) x median iteration time on N
+    time to quality on network N = steps to the target (loopback) x mean iteration time on N
 
 per seed, summarised as a measured run is (:func:`gradsync.bench.quality.summarise_quality`: olympic
 mean, median, spread, wins). :func:`validate` compares a prediction with a full shaped run; the
@@ -86,8 +86,10 @@ def merge_quality(results: list[dict[str, Any]], dense: Optional[str] = "allredu
 
 
 def iteration_seconds(timing: dict[str, Any]) -> dict[str, float]:
-    """Median iteration time (seconds) per entry of a ``gradsync bench`` result."""
-    return {r["algorithm"]: r["iteration_s"]["median"] for r in timing["rows"]}
+    """Mean iteration time (seconds) per entry of a ``gradsync bench`` result: a run's training time is
+    the sum of its steps, and iteration times on a shaped link are skewed to the right (p90 up to 1.5x
+    the median at 5 Mbit/s), so the median would under-predict it."""
+    return {r["algorithm"]: r["iteration_s"]["mean"] for r in timing["rows"]}
 
 
 def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
@@ -95,7 +97,7 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
 
     Args:
         quality: :func:`merge_quality` of the loopback runs (or one bench's ``"quality"`` section).
-        timing: a ``gradsync bench`` result on the network (``rows`` with median ``iteration_s``); it
+        timing: a ``gradsync bench`` result on the network (``rows`` with mean ``iteration_s``); it
             must time every entry of ``quality`` with the same world size.
 
     Returns:
