@@ -11,7 +11,7 @@ the median and the spread (fastest-slowest) beside it, and who is faster on each
 
 A full test-set evaluation at every evaluation step would cost more than the training (fashion-mnist:
 6.3 s per evaluation against 0.12 s per step, measured). So every evaluation step runs a cheap one on
-the first :data:`GATE_SAMPLES` test samples and keeps a copy of the model; once the target is known,
+:data:`GATE_SAMPLES` test samples spread evenly over the test set and keeps a copy of the model; once the target is known,
 :func:`lazy_curve` runs the full evaluation in step order only where the cheap one is within
 :data:`GATE_MARGIN` of the target, up to the first full one that reaches it, plus the final one.
 """

@@ -287,7 +287,9 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     from the same model and sees the same batches (a fresh permutation per epoch, rank ``r`` taking
     every world-th sample). Quality (test accuracy, or bits per character when ``cfg.higher_is_better()``
     is False) is measured on the full test set (the first ``eval_samples`` when given): every
-    ``eval_every`` steps a cheap evaluation on the first :data:`~gradsync.bench.quality.GATE_SAMPLES`
+    ``eval_every`` steps a cheap evaluation on :data:`~gradsync.bench.quality.GATE_SAMPLES` test samples
+    spread evenly over the test set (every n-th: the first ones of fashion-mnist score 1-2 points above
+    the whole set)
     and a copy of the model, then the full evaluations :func:`~gradsync.bench.quality.lazy_curve`
     picks once the target is known (the dense entry runs all its seeds first when the target comes
     from it); the final quality is always a full evaluation. Evaluations are all-reduced and the step
@@ -314,11 +316,13 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
                          f"batch_size {cfg.batch_size}")
     total = cfg.epochs * per_epoch
     higher = cfg.higher_is_better()
-    cheap_n = GATE_SAMPLES if test_x.shape[0] > 2 * GATE_SAMPLES else None
+    stride = test_x.shape[0] // GATE_SAMPLES
+    cheap_n = GATE_SAMPLES if stride >= 2 else None
     cpu = torch.device("cpu")
 
-    def quality(model, n: int | None = None) -> float:
-        loss, acc = evaluate(model, test_x[:n], test_y[:n], cpu)
+    def quality(model, cheap_only: bool = False) -> float:
+        x, y = (test_x[::stride][:GATE_SAMPLES], test_y[::stride][:GATE_SAMPLES]) if cheap_only else (test_x, test_y)
+        loss, acc = evaluate(model, x, y, cpu)
         return acc if higher else loss / math.log(2)
 
     seeds = cfg.accuracy_seeds()
@@ -359,11 +363,11 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
                     dp.flush()
                     if step == total:
                         final = quality(dp.module)
-                        points.append([step, elapsed, final if cheap_n is None else quality(dp.module, cheap_n)])
+                        points.append([step, elapsed, final if cheap_n is None else quality(dp.module, True)])
                     elif cheap_n is None:
                         points.append([step, elapsed, quality(dp.module)])
                     else:
-                        points.append([step, elapsed, quality(dp.module, cheap_n)])
+                        points.append([step, elapsed, quality(dp.module, True)])
                         snapshots.append({n: t.detach().to(cpu, copy=True) for n, t in dp.module.state_dict().items()})
         cheap[name][k] = points
         dp.close()
