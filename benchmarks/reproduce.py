@@ -41,8 +41,8 @@ QUICK_BENCH = ["--steps", "2", "--warmup", "1", "--rounds", "1", "--eval-every",
 
 @dataclass
 class Run:
-    """One command of an experiment: ``kind`` is ``train``, ``bench`` or ``script``; ``argv`` its
-    arguments (after ``gradsync train``/``gradsync bench``, or the script path and its arguments);
+    """One command of an experiment: ``kind`` is ``train``, ``bench``, ``sweep`` or ``script``; ``argv`` its
+    arguments (after ``gradsync train``/``bench``/``sweep``, or the script path and its arguments);
     ``name`` the row label and output sub-directory."""
 
     name: str
@@ -126,6 +126,36 @@ def script_table(out: Path, runs: list[Run]) -> str:
     return "\n".join(parts)
 
 
+def sweep_table(out: Path, runs: list[Run]) -> str:
+    """Per network of a ``gradsync sweep``: each entry's mean iteration time, median steps to the target,
+    predicted olympic-mean seconds to it, speed-up over allreduce and seeds reached; then the
+    validation rows (predicted against measured seconds)."""
+    parts = []
+    for run in runs:
+        result = json.loads((out / run.name / "sweep.json").read_text())
+        q = result["quality"]
+        from gradsync.bench.sweep import summary_rows
+
+        target = f"{q['target'] * 100:.2f} %" if q["higher_is_better"] else f"{q['target']:.4f}"
+        parts.append(f"Target {target} ({q['target_from']} mean final - 0.5 points), seeds {q['seeds']}.\n")
+        for rate, pred in result["networks"].items():
+            rows = [[r["entry"] + (f" (chose {pred['auto_choice']})" if r["entry"] == "auto" else ""),
+                     f"{r['iteration_ms']:.1f}", "-" if r["median_steps"] is None else f"{r['median_steps']:g}",
+                     "not reached" if r["predicted_s"] is None else f"{r['predicted_s']:.1f}",
+                     "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", f"{r['reached']}/{len(q['seeds'])}"]
+                    for r in summary_rows(pred)]
+            parts.append(f"**{result['hosts']} hosts at {rate} Mbit/s** (dense CCR {pred['dense_ccr']:.2f})\n\n"
+                         + _md(["entry", "iteration ms (mean)", "median steps", "predicted s (olympic mean)",
+                                "vs allreduce", "reached"], rows))
+        for v in result["validation"]:
+            parts.append(f"Validation at {v['bandwidth_mbit']:g} Mbit/s ({'holds' if v['holds'] else 'does NOT hold'}"
+                         f" within 10 %):\n\n" + _md(["entry", "seed", "predicted s", "measured s", "error"], [
+                             [r["entry"], str(r["seed"]), f"{r['predicted_s']:.1f}" if r["predicted_s"] else "-",
+                              f"{r['measured_s']:.1f}" if r["measured_s"] else "-",
+                              "-" if r["error"] is None else f"{r['error'] * 100:+.1f} %"] for r in v["rows"]]))
+    return "\n".join(parts)
+
+
 # ------------------------------------------------------------------------------------- experiments
 DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms",
         "allreduce,fp16,powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
@@ -137,6 +167,9 @@ SEEDS = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=1,po
          "covap:ratio=2:cast=fp16", "--lr", "0.05", "--steps", "10", "--warmup", "3", "--rounds", "2",
          "--to-accuracy", "0.80", "--seeds", "0,1,2", "--eval-every", "25", "--eval-samples", "2000",
          "--max-accuracy-steps", "500", "--table", "accuracy"]
+# the fashion-mnist grid of gradsync sweep (the entries whose loopback steps to quality were measured)
+SWEEP_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=2,covap:ratio=3:cast=fp16,"
+                 "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16,auto")
 # the transformer with AdamW (before --algorithm ...)
 ADAMW = ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150"]
 
@@ -203,6 +236,14 @@ EXPERIMENTS = [
         Run("asc_coding_time", "script", ["benchmarks/asc_coding_time.py", "--json", "{out}/asc_coding_time.json"],
             quick=["--reps", "2", "--numel", "20000"]),
     ], script_table),
+    Experiment("sweep-fmnist", "Results: time to quality, MLPerf-style, predicted per network (gradsync sweep)", [
+        Run("sweep", "sweep", ["--algorithms", SWEEP_ENTRIES, "--seeds", "0,1,2,3,4", "--hosts", "2",
+                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
+                               "--validate-bandwidth", "5,15", "--validate-algorithms",
+                               "powersgd:matrix_approximation_rank=2", "--validate-seeds", "0"],
+            quick=["--seeds", "0", "--train-samples", "512", "--epochs", "1", "--eval-every", "2",
+                   "--eval-samples", "200", "--steps", "2", "--warmup", "0", "--rounds", "1"]),
+    ], sweep_table, root=True),
     Experiment("crossover", "Results: crossover rates (benchmarks/crossover.py)", [
         Run("crossover", "script", ["benchmarks/crossover.py", "--bandwidths", "10,50,250,1000", "--algorithms",
                                     "allreduce,oscar-sw,oscar-asc,topk,covap", "--hosts", "2", "--steps", "15",
@@ -235,6 +276,8 @@ def commands(exp: Experiment, out: Path, quick: bool) -> list[tuple[Run, list[st
             argv = GRADSYNC + ["bench", *run.argv, "--out", str(d)]
             if quick:
                 argv += QUICK_BENCH
+        elif run.kind == "sweep":  # quick: later flags replace the earlier ones
+            argv = GRADSYNC + ["sweep", *run.argv, *(run.quick if quick and run.quick else []), "--out", str(d)]
         else:
             argv = [sys.executable, *[a.replace("{out}", str(d)) for a in run.argv]]
             if quick and run.quick is not None:

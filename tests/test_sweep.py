@@ -88,7 +88,9 @@ def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_run
         entries = argv[argv.index("--algorithms") + 1]
         if "--to-quality" in argv:
             target = float(argv[argv.index("--quality-target") + 1]) if "--quality-target" in argv else None
-            result = _quality_bench(entries, DENSE if entries == "allreduce" else FAST, target)
+            seeds = [int(x) for x in argv[argv.index("--seeds") + 1].split(",")]
+            curves = [c for s, c in zip(SEEDS, DENSE if entries == "allreduce" else FAST) if s in seeds]
+            result = _quality_bench(entries, curves, target, seeds)
         else:
             result = _timing({e: 0.1 for e in entries.split(",")})
         from pathlib import Path
@@ -110,12 +112,20 @@ def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_run
     n = len(calls)
     run()
     assert len(calls) == n, "a rerun with the same arguments reuses every finished sub-run"
+    # validation: a full shaped to-quality run per rate with the sweep's target, compared per seed
+    v = run_sweep(["fast", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench,
+                  validate_at=([5.0], ["fast"], [0, 3]))["validation"]
+    shaped = calls[-1]
+    assert shaped[shaped.index("--bandwidth") + 1] == "5" and shaped[shaped.index("--seeds") + 1] == "0,3"
+    assert float(shaped[shaped.index("--quality-target") + 1]) == pytest.approx(0.905)
+    # the stand-in's "measured" seconds (9 s a point) are not steps x 0.1 s: the prediction does not hold
+    assert [r["seed"] for r in v[0]["rows"]] == [0, 3] and v[0]["bandwidth_mbit"] == 5.0 and not v[0]["holds"]
     with pytest.raises(ValueError, match="allreduce"):
         run_sweep(["fast"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench)
     with pytest.raises(ValueError, match="hosts"):
         run_sweep(["allreduce"], SEEDS, 1, [5.0], tmp_path, {}, fake_bench)
-    with pytest.raises(ValueError, match="validation rate"):
-        run_sweep(["allreduce"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench, validate_at=(10.0, ["allreduce"], [0]))
+    with pytest.raises(ValueError, match="validation rates"):
+        run_sweep(["allreduce"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench, validate_at=([5.0, 10.0], ["allreduce"], [0]))
 
 
 def test_a_timing_run_on_loopback_is_refused(tmp_path):

@@ -328,8 +328,9 @@ def _add_sweep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed iterations per entry and round on each network")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per entry and round")
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
-    p.add_argument("--validate-bandwidth", type=float, default=None,
-                   help="also run a full shaped to-quality run at this rate (one of --bandwidths) and compare")
+    p.add_argument("--validate-bandwidth", default=None,
+                   help="comma-separated rates (among --bandwidths): also run a full shaped to-quality run at each "
+                        "and compare it with the prediction")
     p.add_argument("--validate-algorithms", default="allreduce", help="entries of the validation run")
     p.add_argument("--validate-seeds", default="0", help="seeds of the validation run")
     p.add_argument("--out", default="runs/sweep", help="folder of the sub-runs and sweep.json (reused when rerun)")
@@ -363,7 +364,11 @@ def _sweep(args: argparse.Namespace) -> int:
         v_entries = [e.strip() for e in args.validate_algorithms.split(",")]
         if not set(v_entries) <= set(entries):
             raise ValueError(f"validate-algorithms must be entries of --algorithms; got {args.validate_algorithms}")
-        validate_at = (args.validate_bandwidth, v_entries, _int_list("validate-seeds", args.validate_seeds))
+        try:
+            v_rates = [float(x) for x in args.validate_bandwidth.split(",")]
+        except ValueError:
+            raise ValueError(f"validate-bandwidth must be comma-separated Mbit/s, got {args.validate_bandwidth!r}") from None
+        validate_at = (v_rates, v_entries, _int_list("validate-seeds", args.validate_seeds))
     values = {k: getattr(args, k) for k in MODEL_FLAGS + QUALITY_FLAGS}
     result = run_sweep(entries, _int_list("seeds", args.seeds), args.hosts, rates, Path(args.out), values, main,
                        steps=args.steps, warmup=args.warmup, rounds=args.rounds, quality_target=args.quality_target,
@@ -392,12 +397,12 @@ def _sweep(args: argparse.Namespace) -> int:
         if pred["auto_not_swept"]:
             print(f"auto chose {pred['auto_not_swept']} at {rate} Mbit/s, which the sweep did not train: add it to "
                   f"--algorithms to predict its time to quality")
-    v = result["validation"]
-    if v is not None:
+    for v in result["validation"]:
         for row in v["rows"]:
             err = "-" if row["error"] is None else f"{row['error'] * 100:+.1f} %"
+            pred, meas = (("not reached" if x is None else f"{x:.1f} s") for x in (row["predicted_s"], row["measured_s"]))
             print(f"validation at {v['bandwidth_mbit']:g} Mbit/s: {row['entry']} seed {row['seed']}: predicted "
-                  f"{row['predicted_s']} s, measured {row['measured_s']} s, error {err}")
+                  f"{pred}, measured {meas}, error {err}")
         largest = "-" if v["max_error"] is None else f"{v['max_error'] * 100:.1f} %"
         print(f"prediction {'HOLDS' if v['holds'] else 'DOES NOT HOLD'} within {TOLERANCE:.0%} "
               f"(largest error {largest})")

@@ -251,12 +251,12 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         run: ``gradsync``'s entry point (``gradsync.cli.main``), called with a bench argv.
         steps, warmup, rounds: the timing benches' iterations.
         quality_target: an absolute target; None: dense's mean final minus 0.5 points.
-        validate_at: ``(rate, entries, seeds)``: a full shaped to-quality run to check the prediction at
-            that rate (one of ``bandwidths``).
+        validate_at: ``(rates, entries, seeds)``: a full shaped to-quality run of ``entries`` and
+            ``seeds`` at each of ``rates`` (among ``bandwidths``) to check the prediction there.
 
     Returns:
-        ``{"quality": merge_quality(...), "networks": {rate: predict(...)}, "validation": validate(...)
-        or None}``, also written to ``out/sweep.json``.
+        ``{"quality": merge_quality(...), "networks": {rate: predict(...)}, "validation": [validate(...)
+        with "bandwidth_mbit", one per validation rate], "hosts"}``, also written to ``out/sweep.json``.
 
     Raises:
         ValueError: naming entries (no allreduce without a target), bandwidths (empty, or a validation
@@ -269,8 +269,8 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         raise ValueError("bandwidths must give at least one rate in Mbit/s")
     if quality_target is None and "allreduce" not in entries:
         raise ValueError("entries must include allreduce (its final quality sets the target) or give quality_target")
-    if validate_at is not None and validate_at[0] not in bandwidths:
-        raise ValueError(f"the validation rate {validate_at[0]:g} must be one of bandwidths {bandwidths}")
+    if validate_at is not None and not set(validate_at[0]) <= set(bandwidths):
+        raise ValueError(f"the validation rates {validate_at[0]} must be among bandwidths {bandwidths}")
     out = Path(out)
     model, qual = _flags(values, MODEL_FLAGS), _flags(values, QUALITY_FLAGS)
     seed_flag = ["--seeds", ",".join(map(str, seeds))]
@@ -297,14 +297,15 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
             raise RuntimeError("the timing runs need an emulated cluster (root: network namespaces and tc); "
                                f"bench ran on loopback instead: {timing.get('network')}")
         networks[f"{rate:g}"] = predict(merged, timing)
-    validation = None
+    validation = []
     if validate_at is not None:
-        rate, v_entries, v_seeds = validate_at
-        v_argv_seeds = ["--seeds", ",".join(map(str, v_seeds))]
-        argv = (["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", ",".join(v_entries),
-                 "--to-quality", *v_argv_seeds, *short, *model, *qual, "--quality-target", repr(merged["target"])])
-        measured = run_or_reuse(out / f"validate-{hosts}x{rate:g}mbit", argv, run)
-        validation = {"bandwidth_mbit": rate, **validate(networks[f"{rate:g}"], measured["quality"])}
+        rates, v_entries, v_seeds = validate_at
+        for rate in rates:
+            argv = (["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", ",".join(v_entries),
+                     "--to-quality", "--seeds", ",".join(map(str, v_seeds)), *short, *model, *qual,
+                     "--quality-target", repr(merged["target"])])
+            measured = run_or_reuse(out / f"validate-{hosts}x{rate:g}mbit", argv, run)
+            validation.append({"bandwidth_mbit": rate, **validate(networks[f"{rate:g}"], measured["quality"])})
     result = {"quality": merged, "networks": networks, "validation": validation, "hosts": hosts}
     (out / "sweep.json").write_text(json.dumps(result, indent=1))
     return result
