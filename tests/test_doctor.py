@@ -61,8 +61,10 @@ def test_a_measured_cost_changes_the_pick():
 
 
 def test_measurement_closest_in_world_size():
-    at2 = {r.entry: r for r in advise(PROFILE, 2, 20).predictions}
-    at8 = {r.entry: r for r in advise(PROFILE, 8, 20).predictions}
+    costs = (AccuracyCost("covap:ratio=2:cast=fp16", 225, 225, 2, 3, "synthetic", "80 %", "test"),
+             AccuracyCost("covap:ratio=2:cast=fp16", 200, 175, 4, 3, "synthetic", "80 %", "test"))
+    at2 = {r.entry: r for r in advise(PROFILE, 2, 20, costs=costs).predictions}
+    at8 = {r.entry: r for r in advise(PROFILE, 8, 20, costs=costs).predictions}
     assert at2["covap:ratio=2:cast=fp16"].extra_steps == 0.0  # 225 vs 225 steps, 2 hosts
     assert at8["covap:ratio=2:cast=fp16"].extra_steps == pytest.approx(200 / 175 - 1)  # 4 hosts
 
@@ -74,7 +76,7 @@ def test_cost_table_and_candidates_are_valid_settings():
     assert train_command("covap:ratio=2:cast=fp16", 0.05) == \
         "gradsync train --algorithm covap --ratio 2 --cast fp16 --bucket-cap-mb 0.05"
     for row in MEASURED_COSTS:  # every published row names a candidate and says where it comes from
-        assert row.entry in ENTRIES and "README" in row.source and row.steps > 0 and row.dense_steps > 0
+        assert row.entry in ENTRIES and "results" in row.source and row.steps > 0 and row.dense_steps > 0
 
 
 def test_bad_arguments():

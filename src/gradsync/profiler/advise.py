@@ -139,6 +139,9 @@ def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost],
     if entry in LOSSLESS:
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
     row = _cost_row(entry, world_size, costs)
+    if row is not None and row.not_reached:
+        return row.extra_steps, (f"missed the target ({row.target}) on 2 or more of {row.seeds} seeds, "
+                                 f"{row.world_size} ranks"), row.source
     if row is not None:
         seeds = f"{row.seeds} seed{'s' if row.seeds > 1 else ''}"
         return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to "
@@ -228,7 +231,8 @@ def _notes(prof: Profile) -> list[str]:
              "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not modelled: "
              "predicted speed-ups of compressed settings are upper bounds.",
              "PowerSGD is replayed on one bucket, ready at the end of backward, as gradsync runs torch's hook.",
-             "Measured accuracy costs come from fashion-mnist/resnet8 to 80 % test accuracy (README Results); "
+             "Measured accuracy costs come from fashion-mnist/resnet8, 5 seeds, to dense's final accuracy - 0.5 points "
+             "(docs/results.md); "
              "other models may need more or fewer extra steps."]
     warning = bucket_overlap_warning([b.numel for b in prof.buckets], prof.dtype_bytes)
     if warning is not None:
