@@ -25,15 +25,15 @@ data:
 	  else echo "datasets missing: run 'sudo apt-get install dataset-fashion-mnist bible-kjv-text' or pass --data-dir" >&2; exit 1; fi; \
 	fi
 
-# The story in one table: dense all-reduce (DDP's arithmetic) against torch's fp16 and PowerSGD (r=4) hooks and
-# COVAP (K = 2, the selected shard sent as fp16: a quarter of the bytes) on 2 emulated hosts at 5 Mbit/s, where dense all-reduce is
-# communication-bound, each trained to 80 % test accuracy (evaluated on 2,000 test samples to keep it short).
-# As root it builds the emulated cluster; otherwise it runs on loopback, labelled NOT shaped.
-DEMO_ARGS ?= --hosts 2 --bandwidth 5 --algorithms allreduce,fp16,powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16 \
-             --lr 0.05 --steps 10 \
-             --warmup 3 --rounds 2 --to-accuracy 0.80 --eval-every 25 --eval-samples 2000 --max-accuracy-steps 400
+# The story in one table: time to the quality dense training reaches (its final test accuracy - 0.5 points) on 2
+# emulated hosts at 5 Mbit/s, where dense all-reduce is communication-bound, for DDP (allreduce), torch's fp16 and
+# PowerSGD (rank 4) hooks and --algorithm auto, under the recipe (2 epochs, one seed; docs/results.md has 5): steps
+# to the target trained on loopback x iteration time measured on the emulated network (gradsync sweep), a table +
+# runs/demo/predicted-2x5mbit.png. Needs root (network namespaces and tc); about 8 minutes on 2 cores.
+DEMO_ARGS ?= --algorithms allreduce,fp16,powersgd:matrix_approximation_rank=4,auto --seeds 0 --hosts 2 \
+             --bandwidths 5 --epochs 2 --eval-every 39
 demo: setup
-	$(VENV)/bin/gradsync bench $(DEMO_ARGS) --table accuracy --out runs/demo
+	$(VENV)/bin/gradsync sweep $(DEMO_ARGS) --out runs/demo
 
 # Regenerate every results table of docs/results.md (raw JSON beside each table) under results/.
 reproduce: setup

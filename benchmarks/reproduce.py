@@ -157,10 +157,11 @@ def sweep_table(out: Path, runs: list[Run]) -> str:
 
 
 # ------------------------------------------------------------------------------------- experiments
-DEMO = ["--hosts", "2", "--bandwidth", "5", "--algorithms",
-        "allreduce,fp16,powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16", "--lr", "0.05",
-        "--steps", "10", "--warmup", "3", "--rounds", "2", "--to-accuracy", "0.80", "--eval-every", "25",
-        "--eval-samples", "2000", "--max-accuracy-steps", "400", "--table", "accuracy"]  # the Makefile's DEMO_ARGS
+DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=4,auto", "--seeds", "0", "--hosts", "2",
+        "--bandwidths", "5", "--epochs", "2", "--eval-every", "39"]  # the Makefile's DEMO_ARGS
+# --quick: a few steps of everything (sweep-fmnist's and the demo's)
+SWEEP_QUICK = ["--train-samples", "512", "--epochs", "1", "--eval-every", "2", "--eval-samples", "200", "--steps", "2",
+               "--warmup", "0", "--rounds", "1"]
 
 # time to accuracy over 3 seeds against fp16 and two PowerSGD ranks (after --hosts H --bandwidth R)
 SEEDS = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=1,powersgd:matrix_approximation_rank=4,"
@@ -174,8 +175,8 @@ SWEEP_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=2,covap:rati
 ADAMW = ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150"]
 
 EXPERIMENTS = [
-    Experiment("demo", "`make demo`: time to accuracy on 2 emulated hosts", [Run("bench", "bench", DEMO)],
-               bench_table, root=True),
+    Experiment("demo", "`make demo`: time to quality on 2 emulated hosts at 5 Mbit/s (gradsync sweep, one seed)",
+               [Run("sweep", "sweep", DEMO, quick=SWEEP_QUICK)], sweep_table, root=True),
     Experiment("seeds", "Results: time to accuracy against the best peers, 3 seeds", [
         Run("bench", "bench", ["--hosts", "2", "--bandwidth", "15", *SEEDS]),
         Run("bench-2hosts-10", "bench", ["--hosts", "2", "--bandwidth", "10", *SEEDS]),
@@ -241,8 +242,7 @@ EXPERIMENTS = [
                                "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
                                "--validate-bandwidth", "5,15", "--validate-algorithms",
                                "powersgd:matrix_approximation_rank=2", "--validate-seeds", "0"],
-            quick=["--seeds", "0", "--train-samples", "512", "--epochs", "1", "--eval-every", "2",
-                   "--eval-samples", "200", "--steps", "2", "--warmup", "0", "--rounds", "1"]),
+            quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
     Experiment("crossover", "Results: crossover rates (benchmarks/crossover.py)", [
         Run("crossover", "script", ["benchmarks/crossover.py", "--bandwidths", "10,50,250,1000", "--algorithms",

@@ -19,7 +19,7 @@ from gradsync.algorithms import AllReduceState, CovapPlan, CovapState, allreduce
 from gradsync.comm.agreement import ConfigMismatchError, check_config_agreement
 
 
-def grads_per_step(rank, world, algorithm, steps, ratio=1, lam0=None):
+def grads_per_step(rank, world, algorithm, steps, ratio=1, lam0=None, dense_from=0):
     """Flat gradients after each of ``steps`` backward passes (no optimizer step, so the
     gradients depend only on the data and the hook)."""
     model = DDP(make_model(), bucket_cap_mb=0.01)
@@ -28,7 +28,7 @@ def grads_per_step(rank, world, algorithm, steps, ratio=1, lam0=None):
         state = AllReduceState()
         model.register_comm_hook(state, allreduce_hook)
     elif algorithm == "covap":
-        state = CovapState(ratio=ratio, lam0=lam0, ramp_steps=10)
+        state = CovapState(ratio=ratio, lam0=lam0, ramp_steps=10, dense_from=dense_from)
         model.register_comm_hook(state, covap_hook)
     out = []
     for step in range(steps):
@@ -134,7 +134,27 @@ def test_config_mismatch_raises_on_every_rank_quickly():
         assert seconds < 5
 
 
+def test_dense_tail_flushes_the_residual_and_then_equals_dense():
+    """K=3 until iteration 7, K=1 from there: iteration 7 sends every element, the residuals held
+    included (its gradient sum over both ranks exceeds dense's by what was unsent), and from
+    iteration 8 on the gradients are dense all-reduce's (rtol 1e-6, atol 1e-7)."""
+    steps, dense_from = 10, 7
+    ref = run_ranks(grads_per_step, 2, "ddp", steps)
+    got = run_ranks(grads_per_step, 2, "covap", steps, 3, None, dense_from)
+    k3 = run_ranks(grads_per_step, 2, "covap", dense_from, 3)
+    for r in range(2):
+        for step in range(dense_from):  # identical to the run without a tail up to the switch
+            assert torch.equal(got[r][0][step], k3[r][0][step])
+        assert torch.all(got[r][0][dense_from] != 0), "the switch iteration sends every element"
+        assert not torch.allclose(got[r][0][dense_from], ref[r][0][dense_from]), "it carries the flushed residual"
+        for step in range(dense_from + 1, steps):
+            torch.testing.assert_close(got[r][0][step], ref[r][0][step], rtol=1e-6, atol=1e-7)
+    stats = got[0][1]
+    assert stats["covap_k"] == 1 and stats["buckets_skipped"] == k3[0][1]["buckets_skipped"]
+
+
 @pytest.mark.parametrize("kwargs, name", [
+    ({"dense_from": 1}, "dense_from"), ({"dense_from": -1}, "dense_from"),
     ({"ratio": 0}, "ratio"), ({"ratio": 33}, "ratio"), ({"ratio": 2.5}, "ratio"),
     ({"start_iter": 1}, "start_iter"), ({"lam0": 1.5}, "lam0"), ({"ramp_steps": 0}, "ramp_steps"),
 ])

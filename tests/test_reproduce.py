@@ -29,8 +29,8 @@ def test_list_names_every_experiment(capsys):
 def test_dry_run_prints_commands_writing_under_out(capsys, tmp_path):
     assert reproduce.main(["--dry-run", "--only", "demo,gravac", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].startswith("gradsync bench --hosts 2 --bandwidth 5 ") and "--table accuracy" in lines[0]
-    assert lines[0].endswith(f"--out {tmp_path}/demo/bench")
+    assert lines[0].startswith("gradsync sweep --algorithms allreduce,fp16,") and "--bandwidths 5 " in lines[0]
+    assert lines[0].endswith(f"--out {tmp_path}/demo/sweep")
     assert len(lines) == 1 + 5 and all(line.startswith("gradsync train ") for line in lines[1:])
     assert not any(tmp_path.iterdir()), "a dry run writes nothing"
     with pytest.raises(SystemExit):
@@ -41,7 +41,7 @@ def test_makefile_demo_matches_the_demo_experiment():
     make = (ROOT / "Makefile").read_text()
     args = make.split("DEMO_ARGS ?=")[1].split("\ndemo:")[0].replace("\\\n", " ").split()
     demo = next(e for e in reproduce.EXPERIMENTS if e.name == "demo").runs[0].argv
-    assert demo == args + ["--table", "accuracy"]
+    assert demo == args
 
 
 @pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),

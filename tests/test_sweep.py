@@ -42,6 +42,9 @@ def test_prediction_is_steps_to_target_times_iteration_time_and_validates_agains
     assert f["olympic_mean_s"] == pytest.approx(4.0) and d["olympic_mean_s"] is None  # 2 seeds never reach
     assert f["wins"]["allreduce"] == SEEDS and pred["speedup_vs_dense"]["fast"] is None
     assert pred["iteration_s"] == {"allreduce": 0.7, "fast": 0.2} and pred["dense_ccr"] == 7.0
+    # the predicted curves (the sweep's figure): loopback steps and quality, seconds = steps x 0.2 s
+    assert pred["curves"]["fast"][3] == [[10, pytest.approx(2.0), 0.5], [20, pytest.approx(4.0), 0.6],
+                                         [30, pytest.approx(6.0), 0.95], [40, pytest.approx(8.0), 0.95]]
     # a shaped run measured 4.2 s and 6.5 s on seeds 0 and 3: errors -4.8 % and -7.7 %, within 10 %
     measured = _quality_bench("fast", [FAST[0], FAST[3]], 0.905, seeds=[0, 3])["quality"]
     measured["entries"]["fast"]["seconds_by_seed"] = [4.2, 6.5]
@@ -65,6 +68,18 @@ def test_prediction_is_steps_to_target_times_iteration_time_and_validates_agains
     assert auto["entries"]["auto"]["seconds_by_seed"] == pytest.approx([5.0, 5.0, 5.0, 7.5, 5.0])
     timing["chosen_from_ccr"]["auto"]["entry"] = "other"
     assert "auto" not in predict(merged, timing)["entries"] and predict(merged, timing)["auto_not_swept"] == "other"
+
+
+def test_the_predicted_curves_are_plotted(tmp_path):
+    pytest.importorskip("matplotlib", reason="needs the bench extra: pip install gradsync[bench]")
+    from gradsync.bench.report import plot_quality
+
+    merged = merge_quality([_quality_bench("allreduce", DENSE), _quality_bench("fast", FAST, 0.905)])
+    pred = predict(merged, _timing({"allreduce": 0.7, "fast": 0.2}))
+    path = plot_quality({**pred, "metric": "test accuracy", "higher_is_better": True}, tmp_path / "p.png",
+                        "predicted training time (s)", "2 hosts at 5 Mbit/s")
+    assert path == tmp_path / "p.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 5000  # axes, two entries' lines over five seeds and the target
 
 
 def test_merge_refuses_mismatched_runs():

@@ -350,6 +350,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .bench.report import plot_quality
     from .bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TOLERANCE, run_sweep, summary_rows
 
     try:
@@ -397,6 +398,12 @@ def _sweep(args: argparse.Namespace) -> int:
         if pred["auto_not_swept"]:
             print(f"auto chose {pred['auto_not_swept']} at {rate} Mbit/s, which the sweep did not train: add it to "
                   f"--algorithms to predict its time to quality")
+        figure = plot_quality({**pred, "metric": q["metric"], "higher_is_better": hib},
+                              Path(args.out) / f"predicted-{args.hosts}x{rate}mbit.png",
+                              f"predicted training time (s): loopback steps x mean iteration time at {rate} Mbit/s",
+                              f"{args.hosts} hosts at {rate} Mbit/s, dense CCR {pred['dense_ccr']:.2f}")
+        if figure is not None:
+            print(f"wrote {figure}")
     for v in result["validation"]:
         for row in v["rows"]:
             err = "-" if row["error"] is None else f"{row['error'] * 100:+.1f} %"

@@ -97,17 +97,8 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.set_ylabel("test accuracy (%)")
         paths.append(_save(fig, ax, out / "accuracy.png"))
     if "quality" in result:
-        q = result["quality"]
-        fig, ax = plt.subplots(figsize=(6, 4))
-        scale = 100 if q["higher_is_better"] else 1
-        for i, (name, per_seed) in enumerate(q["curves"].items()):
-            for j, curve in enumerate(per_seed):  # one line per seed, the first labelled
-                ax.plot([c[1] for c in curve], [c[2] * scale for c in curve], "o-", ms=3, color=f"C{i}",
-                        alpha=1.0 if j == 0 else 0.45, label=name if j == 0 else None)
-        ax.axhline(q["target"] * scale, color="grey", ls="--", lw=0.8)
-        ax.set_xlabel("training wall-clock time (s, evaluation excluded)")
-        ax.set_ylabel(f"{q['metric']}" + (" (%)" if q["higher_is_better"] else ""))
-        paths.append(_save(fig, ax, out / "quality.png"))
+        paths.append(plot_quality(result["quality"], out / "quality.png",
+                                  "training wall-clock time (s, evaluation excluded)"))
     if any(r.get("covap_k") for r in rows):
         steps = result["config"]["steps"]
         fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -122,6 +113,38 @@ def write_outputs(result: dict[str, Any], out: str | Path) -> list[Path]:
         ax.set_title("COVAP's K per step")
         paths.append(_save(fig, ax, out / "ratio.png"))
     return paths
+
+
+def plot_quality(quality: dict[str, Any], path: Path, xlabel: str, title: str | None = None) -> Path | None:
+    """Quality against seconds, one line per entry and seed (the first seed labelled), the target
+    dashed, written to ``path`` (PNG).
+
+    Args:
+        quality: ``"curves"`` (entry -> per seed ``[[steps, seconds, quality], ...]``), ``"target"``,
+            ``"metric"`` and ``"higher_is_better"``, as in ``gradsync bench --to-quality``'s result or a
+            sweep's prediction (:func:`gradsync.bench.sweep.predict`).
+        path: the PNG file.
+        xlabel: what the seconds are (measured wall-clock, predicted on a network).
+        title: the figure's title, if any.
+
+    Returns:
+        ``path``, or None where matplotlib (the ``bench`` extra) is missing.
+    """
+    plt = pyplot("quality figures")
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    scale = 100 if quality["higher_is_better"] else 1
+    for i, (name, per_seed) in enumerate(quality["curves"].items()):
+        for j, curve in enumerate(per_seed):
+            ax.plot([c[1] for c in curve], [c[2] * scale for c in curve], "o-", ms=3, color=f"C{i}",
+                    alpha=1.0 if j == 0 else 0.45, label=name if j == 0 else None)
+    ax.axhline(quality["target"] * scale, color="grey", ls="--", lw=0.8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"{quality['metric']}" + (" (%)" if quality["higher_is_better"] else ""))
+    if title:
+        ax.set_title(title, fontsize=9)
+    return _save(fig, ax, path)
 
 
 def _save(fig: Any, ax: Any, path: Path) -> Path:

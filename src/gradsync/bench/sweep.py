@@ -102,7 +102,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         :func:`~gradsync.bench.quality.summarise_quality` of the curves with every point's seconds
-        replaced by ``steps x iteration_s`` (the target kept), plus ``"iteration_s"`` per entry,
+        replaced by ``steps x iteration_s`` (the target kept), plus those ``"curves"`` (entry -> per
+        seed ``[[steps, predicted seconds, quality], ...]``), ``"iteration_s"`` per entry,
         ``"network"``, ``"dense_ccr"`` and ``"speedup_vs_dense"`` per entry (dense's olympic mean, or
         median with fewer than 5 seeds, over the entry's; None where either is missing, as when a
         seed the olympic mean keeps did not reach the target).
@@ -131,7 +132,7 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
     out["target_from"] = quality["target_from"]
     dense = quality["target_from"] if quality["target_from"] in curves else "allreduce"
     out["speedup_vs_dense"] = {name: _ratio(out["entries"].get(dense), e) for name, e in out["entries"].items()}
-    out.update(iteration_s={n: it[n] for n in curves}, network=timing.get("network"),
+    out.update(curves=curves, iteration_s={n: it[n] for n in curves}, network=timing.get("network"),
                dense_ccr=timing.get("dense_ccr"), auto_choice=auto_choice,
                auto_not_swept=auto_choice if auto_choice is not None and "auto" not in curves else None)
     return out

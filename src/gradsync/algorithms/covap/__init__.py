@@ -29,6 +29,10 @@ so every rank selects the same elements and a plain all-reduce still works.
   iteration ``max(start_iter, 1 + AUTO_CALIBRATION_STEPS)`` every rank takes the same K from one
   all-reduce issued in the hook body. ``auto`` then keeps following the network every
   ``adapt_every`` (default :data:`AUTO_ADAPT_EVERY`) steps.
+* A dense tail (``dense_from``, not in the paper): from that iteration on K = 1, so every element
+  goes out each step and the error-feedback residual is flushed into the first of them; the
+  compressed start buys speed, the dense end the final quality (decided by the iteration counter,
+  identical on every rank, kept across a restore).
 * Compression starts at ``start_iter`` (default 2), after DDP's bucket rebuild, like PowerSGD's
   ``start_powerSGD_iter``; the bucket layout is recorded during the dense iterations before it. A
   state restored from a checkpoint into a fresh DDP does not wait for DDP to rebuild its
@@ -79,12 +83,17 @@ class CovapOptions(Options):
                                  "error-feedback residual); default: the bucket's dtype", choices=CASTS)
     max_ratio: int = option(MAX_RATIO, "largest K that 'auto' and adapt_every may choose (a large K hides the "
                             "communication but costs accuracy per step)", low=1, high=MAX_RATIO)
+    dense_from: int = option(0, "from this iteration on K = 1: every element is sent each step (with cast, "
+                             "torch's fp16/bf16 hook) and the residual is flushed into it, so the end of "
+                             "training runs at dense quality; 0: never", low=0, high=100_000_000,
+                             units="iterations")
 
 
 
 def _make_hook(opts: CovapOptions, ctx: Any) -> Tuple[CovapState, Any]:
     return CovapState(ratio=opts.ratio, process_group=ctx.process_group, model=ctx.model,
-                      adapt_every=opts.adapt_every, cast=opts.cast, max_ratio=opts.max_ratio), covap_hook
+                      adapt_every=opts.adapt_every, cast=opts.cast, max_ratio=opts.max_ratio,
+                      dense_from=opts.dense_from), covap_hook
 
 
 SPEC = hook_algorithm("covap", "COVAP coarse-grained filter, K from the measured CCR, discounted error feedback "

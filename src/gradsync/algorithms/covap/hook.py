@@ -57,7 +57,8 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     the step on every rank. Bytes counted: the contiguous shard handed to ``all_reduce``
     (``numel / c_b`` elements, one more in the last bucket) or nothing for a dropped bucket (4 bytes
     when it is the last). With ``state.adapter``, the first call of an iteration may
-    all-reduce the timing window and change K (:meth:`CovapState.step_boundary`).
+    all-reduce the timing window and change K (:meth:`CovapState.step_boundary`); from
+    ``state.dense_from`` on, K is 1 (:meth:`CovapState.enter_dense_tail`).
 
     Raises:
         RuntimeError: if the bucket layout differs from the one recorded during warm-up (other than
@@ -72,6 +73,8 @@ def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Futu
     if timer is not None:
         state.step_boundary(buf)
         timer.bucket_ready(buf.numel(), buf.device)
+    if state.dense_from and t >= state.dense_from:
+        state.enter_dense_tail()
     if t < state.start_iter:
         if state._layout_iter != t:  # keep only this iteration's layout (DDP may
             state.layouts.clear()                      # rebuild into fewer buckets)

@@ -54,6 +54,9 @@ class CovapState(HookState):
         hysteresis: relative band of :class:`~gradsync.algorithms.covap.adapt.RatioAdapter`, in [0, 1).
         max_ratio: largest K that ``"auto"`` and ``adapt_every`` may choose, in [1, 32] (default 32,
             COVAP's limit); a fixed ``ratio`` must not exceed it.
+        dense_from: from this iteration on K = 1 (every element sent each step, the residual flushed
+            into the first such step; ``adapt_every`` and ``"auto"`` no longer change K); 0 (default):
+            never. Must be 0 or >= ``start_iter``.
         timer: the per-step timing source (default a new
             :class:`~gradsync.algorithms.covap.adapt.CommTimer`); tests pass one feeding chosen timings.
 
@@ -84,15 +87,20 @@ class CovapState(HookState):
     _boundary_iter = -1
     _forward_handle = None
     _wire_scale = 1.0
+    dense_from = 0
 
     def __init__(self, ratio: Union[int, str] = 3, process_group: Optional[dist.ProcessGroup] = None,
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
                  model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = None,
                  cast: Optional[str] = None, hysteresis: float = 0.25, timer: Any = None,
-                 max_ratio: int = MAX_RATIO):
+                 max_ratio: int = MAX_RATIO, dense_from: int = 0):
         super().__init__(process_group)
         self.filter = CovapFilter(ratio, lam0, ramp_steps, max_ratio)
         self.start_iter = check_int("start_iter", start_iter, 2)
+        self.dense_from = check_int("dense_from", dense_from, 0)
+        if 0 < self.dense_from < self.start_iter:
+            raise ValueError(f"dense_from must be 0 or an iteration >= start_iter ({self.start_iter}); "
+                             f"got {dense_from}")
         self.cast_dtype = cast_dtype(cast)
         self.cast = cast
         if adapt_every is None:
@@ -197,6 +205,13 @@ class CovapState(HookState):
                          self.filter.ratio, new)
                 self.filter.set_ratio(new, keep_discount=True)
 
+    def enter_dense_tail(self) -> None:
+        """At the first hook call of an iteration >= ``dense_from``: K = 1 from now on (the discount
+        schedule kept), whatever ``auto`` or the adaptation chose; a no-op once K is 1."""
+        if self.filter.ratio != 1:
+            log.info("COVAP: iteration %d >= dense_from: K %d -> 1 (dense tail)", self.iteration, self.filter.ratio)
+            self.filter.set_ratio(1, keep_discount=True)
+
     def send_dtype(self, buf: torch.Tensor) -> torch.dtype:
         """The dtype the selected values of bucket ``buf`` travel in (``cast``, else the bucket's)."""
         return buf.dtype if self.cast_dtype is None else self.cast_dtype
@@ -242,7 +257,8 @@ class CovapState(HookState):
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "covap", "start_iter": self.start_iter, **self.filter.config(),
-                "adapt_every": self.adapter.adapt_every if self.adapter else 0, "cast": self.cast}
+                "adapt_every": self.adapter.adapt_every if self.adapter else 0, "cast": self.cast,
+                "dense_from": self.dense_from}
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()
