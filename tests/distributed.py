@@ -10,6 +10,7 @@ rank that does not finish within ``timeout`` seconds is killed and reported.
 from __future__ import annotations
 
 import datetime
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,14 @@ def _in_group(rank, world_size, pg_timeout, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     try:
-        return fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args)
+        # fn's DDP models, hook states and futures die here, on this thread, and every rank is past its
+        # collectives: otherwise the last reference to the process group (torch's hooks capture it in
+        # their callbacks) can drop in a Gloo worker thread, whose destructor then joins itself and
+        # aborts the rank ("terminate called ... Resource deadlock avoided")
+        gc.collect()
+        dist.barrier()
+        return result
     finally:
         try:
             dist.destroy_process_group()

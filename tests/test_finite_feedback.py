@@ -31,6 +31,8 @@ CASES = [
     ("bf16", "bf16", {}, 5),
     ("gravac", "gravac", {"search_interval": 2}, 5),
     ("powersgd", "powersgd", {}, 5),
+    ("powersgd-tail-flush", "powersgd", {"dense_from": 5}, 5),  # the inf hits the step that flushes the residual
+    ("covap-tail-flush", "covap", {"ratio": 2, "cast": "fp16", "dense_from": 5}, 5),
     ("oscar-sw", "oscar-sw", {}, 5),
     ("oscar-asc", "oscar-asc", {}, 5),
     ("countsketch", "countsketch", {}, 5),

@@ -6,6 +6,11 @@ works only with a single DDP bucket (its ``.then`` callbacks launch collectives,
 different order on different ranks when several buckets are in flight), so DDP gets one bucket for it.
 Bytes sent are read from torch's own element counters (``total_numel_after_compression``).
 
+A dense tail (``dense_from``, not in the paper): from that iteration on the bucket goes through
+torch's ``fp16_compress_hook`` instead, and the first such step adds torch's error-feedback residual
+to the gradient (flushing it), so the end of the schedule runs at fp16 quality (decided by the
+iteration counter, identical on every rank).
+
 Low-precision parameters: torch's hook keeps its error-feedback residual and its factors P, Q in the
 bucket's dtype. For bfloat16/float16 buckets the compressed steps run it on a float32 copy of the
 bucket (residuals, P and Q in float32; the result is cast back into the bucket), so residuals are
@@ -18,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from dataclasses import dataclass
@@ -34,6 +40,9 @@ class PowerSGDOptions(Options):
 
     OWNER = "powersgd"
     matrix_approximation_rank: int = option(2, "PowerSGD matrix approximation rank r", low=1, high=64)
+    dense_from: int = option(0, "from this iteration on torch's fp16 hook, the first such step carrying the "
+                             "error-feedback residual, so the end of training runs at fp16 quality; 0: never",
+                             low=0, high=100_000_000, units="iterations")
 
 
 class PowerSGDHookState(HookState):
@@ -43,16 +52,25 @@ class PowerSGDHookState(HookState):
         matrix_approximation_rank: rank r of the approximation ``M ~ P Q^T``, in [1, 64].
         start_iter: dense all-reduce for the first ``start_iter`` iterations (>= 2).
         process_group: group of the all-reduces.
+        seed: torch's PowerSGD random seed (the same on every rank).
+        dense_from: from this iteration on, torch's ``fp16_compress_hook``; the first such step adds
+            the error-feedback residual to the gradient. 0 (default): never; else >= ``start_iter``.
 
     Raises:
         ValueError: for arguments outside those ranges.
     """
 
+    dense_from = 0  # states pickled before the option existed
+
     def __init__(self, matrix_approximation_rank: int = 2, start_iter: int = 2,
-                 process_group: dist.ProcessGroup | None = None, seed: int = 0):
+                 process_group: dist.ProcessGroup | None = None, seed: int = 0, dense_from: int = 0):
         super().__init__(process_group)
         self.matrix_approximation_rank = check_int("matrix_approximation_rank", matrix_approximation_rank, 1, 64)
         self.start_iter = check_int("start_iter", start_iter, 2)
+        self.dense_from = check_int("dense_from", dense_from, 0)
+        if 0 < self.dense_from < self.start_iter:
+            raise ValueError(f"dense_from must be 0 or an iteration >= start_iter ({self.start_iter}); "
+                             f"got {dense_from}")
         self.torch_state = torch_powersgd.PowerSGDState(
             process_group=process_group, matrix_approximation_rank=self.matrix_approximation_rank,
             start_powerSGD_iter=self.start_iter, use_error_feedback=True, warm_start=True,
@@ -70,7 +88,7 @@ class PowerSGDHookState(HookState):
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "powersgd", "matrix_approximation_rank": self.matrix_approximation_rank,
-                "start_iter": self.start_iter}
+                "start_iter": self.start_iter, "dense_from": self.dense_from}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "torch_state": self.torch_state.__getstate__()}
@@ -118,6 +136,8 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     (:class:`~gradsync.feedback.finite.FiniteGuard`, no extra collective): a non-finite step
     restores torch's error dict and its warm-start P/Q memories and returns NaN, so GradScaler
     skips it on every rank."""
+    if state.dense_from and state.iteration >= state.dense_from:
+        return _dense_tail(state, bucket)
     buf = bucket.buffer()
     ts = state.torch_state
     before = ts.total_numel_after_compression
@@ -139,11 +159,29 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     return state.guarded(bucket, fut) if compressed else fut
 
 
+def _dense_tail(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """An iteration >= ``dense_from``: torch's ``fp16_compress_hook`` (the bucket divided by the world
+    size, cast to float16, summed, cast back; ``numel`` x 2 bytes). While torch's error dict holds
+    this bucket's residual it is added to the gradient first and dropped from the dict, under the
+    finite guard: a non-finite step restores it (and the next step flushes it again)."""
+    buf = bucket.buffer()
+    ts = state.torch_state
+    error = ts.error_dict.get(bucket.index())
+    if error is not None:
+        state.finite_guard.begin(state.iteration, state._snapshot)
+        ts.error_dict = {k: v for k, v in ts.error_dict.items() if k != bucket.index()}
+        buf.add_(error.to(buf.dtype))
+    fut = default_hooks.fp16_compress_hook(state.process_group, bucket)
+    state.count_payload(buf.numel() * 2, "allreduce")
+    state.end_bucket(bucket)
+    return state.guarded(bucket, fut) if error is not None else fut
+
+
 SPEC = hook_algorithm(
     "powersgd", "torch's PowerSGD hook with error feedback, one DDP bucket on Gloo (Vogels, Karimireddy & "
     "Jaggi, NeurIPS 2019, arXiv 1905.13727)", PowerSGDOptions,
     lambda opts, ctx: (PowerSGDHookState(opts.matrix_approximation_rank, process_group=ctx.process_group,
-                                         seed=ctx.seed), powersgd_hook),
+                                         seed=ctx.seed, dense_from=opts.dense_from), powersgd_hook),
     single_bucket=True)
 
 #: the algorithms this module registers

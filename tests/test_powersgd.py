@@ -1,0 +1,57 @@
+"""gradsync's wrapper of torch's PowerSGD hook on real 2-rank Gloo groups: the dense tail
+(``dense_from``) against torch's own fp16 hook.
+
+Tolerances: after the tail starts, gradients equal torch's ``fp16_compress_hook`` run on the same
+batches within rtol=1e-3/atol=1e-5 (both cast to float16; only the order of the division differs).
+"""
+
+import pytest
+import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distributed import run_ranks
+from small_mlp import backward_step, flat_grad, make_model
+from gradsync.algorithms.powersgd import PowerSGDHookState, powersgd_hook
+
+
+def _grads(rank, world, hook, steps, dense_from=0):
+    model = DDP(make_model(), bucket_cap_mb=25)  # one bucket, as gradsync gives PowerSGD on Gloo
+    state = None
+    if hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        state = PowerSGDHookState(2, dense_from=dense_from)
+        model.register_comm_hook(state, powersgd_hook)
+    out, errors = [], []
+    for step in range(steps):
+        backward_step(model, rank, step)
+        out.append(flat_grad(model.module).clone())
+        errors.append(len(state.torch_state.error_dict) if state else 0)
+    return out, errors, (state.stats() if state else None)
+
+
+def test_dense_tail_flushes_the_residual_then_equals_torchs_fp16_hook():
+    steps, dense_from = 9, 6
+    fp16 = run_ranks(_grads, 2, "fp16", steps)
+    tail = run_ranks(_grads, 2, "powersgd", steps, dense_from)
+    plain = run_ranks(_grads, 2, "powersgd", dense_from)
+    for r in range(2):
+        grads, errors, stats = tail[r]
+        for step in range(dense_from):  # PowerSGD until the tail, exactly as without it
+            assert torch.equal(grads[step], plain[r][0][step])
+        assert errors[dense_from - 1] == 1 and errors[dense_from] == 0, "the first dense step flushes the residual"
+        assert not torch.allclose(grads[dense_from], fp16[r][0][dense_from], rtol=1e-3, atol=1e-5)
+        for step in range(dense_from + 1, steps):
+            torch.testing.assert_close(grads[step], fp16[r][0][step], rtol=1e-3, atol=1e-5)
+    n = sum(p.numel() for p in make_model().parameters())
+    stats = tail[0][2]
+    compressed = plain[0][2]["payload_bytes"] - 2 * 4 * n  # the PowerSGD steps after the 2 dense start-up ones
+    assert stats["payload_bytes"] == plain[0][2]["payload_bytes"] + (steps - dense_from) * 2 * n
+    assert 0 < compressed < (dense_from - 2) * 4 * n
+
+
+@pytest.mark.parametrize("dense_from", [1, -1])
+def test_dense_from_before_the_start_up_is_refused(dense_from):
+    with pytest.raises(ValueError, match="dense_from"):
+        PowerSGDHookState(2, dense_from=dense_from)
