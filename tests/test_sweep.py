@@ -161,3 +161,16 @@ def test_a_timing_run_on_loopback_is_refused(tmp_path):
 def test_run_or_reuse_raises_when_the_bench_fails(tmp_path):
     with pytest.raises(RuntimeError, match="exit status 2"):
         run_or_reuse(tmp_path / "a", ["bench", "--algorithms", "allreduce"], lambda argv: 2)
+
+
+def test_cli_refuses_before_any_run_where_no_cluster_can_be_built(tmp_path, monkeypatch, capsys):
+    import gradsync.bench.sweep as sweep_module
+    import gradsync.cluster.commands as commands
+    from gradsync.cli import main
+
+    monkeypatch.setattr(commands, "why_unshaped", lambda: "not root")
+    ran = []
+    monkeypatch.setattr(sweep_module, "run_sweep", lambda *a, **k: ran.append(a))
+    rc = main(["sweep", "--algorithms", "allreduce,fp16", "--bandwidths", "5", "--out", str(tmp_path)])
+    assert rc == 1 and not ran and not any(tmp_path.iterdir())
+    assert "cannot build one: not root" in capsys.readouterr().err

@@ -351,6 +351,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .bench.report import plot_quality
+    from .cluster.commands import why_unshaped
     from .bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TOLERANCE, run_sweep, summary_rows
 
     try:
@@ -370,6 +371,11 @@ def _sweep(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"validate-bandwidth must be comma-separated Mbit/s, got {args.validate_bandwidth!r}") from None
         validate_at = (v_rates, v_entries, _int_list("validate-seeds", args.validate_seeds))
+    unshaped = why_unshaped()
+    if unshaped is not None:  # before the loopback runs, not after them
+        print(f"gradsync sweep: error: the timing runs need an emulated cluster (network namespaces and tc), and "
+              f"this process cannot build one: {unshaped}", file=sys.stderr)
+        return 1
     values = {k: getattr(args, k) for k in MODEL_FLAGS + QUALITY_FLAGS}
     result = run_sweep(entries, _int_list("seeds", args.seeds), args.hosts, rates, Path(args.out), values, main,
                        steps=args.steps, warmup=args.warmup, rounds=args.rounds, quality_target=args.quality_target,
