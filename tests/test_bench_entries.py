@@ -24,7 +24,7 @@ def test_parse_entry_converts_values_to_the_option_types():
 @pytest.mark.parametrize("entry, message", [
     ("nope", "algorithms must be among"),
     ("covap:4", "must be KEY=VALUE"),
-    ("covap:density=0.1", "covap takes adapt_every, cast, max_ratio, ratio"),
+    ("covap:density=0.1", "covap takes adapt_every, cast, dense_from, max_ratio, ratio"),
     ("allreduce:ratio=2", "allreduce takes no options"),
     ("covap:ratio=0", "ratio must be"),
     ("covap:cast=fp8", "cast must be"),
