@@ -72,9 +72,6 @@ def main() -> None:
         print(f"rank {os.environ.get('RANK', 0)}: covap put {s['wire_bytes']:.0f} bytes on the wire, "
               f"dense all-reduce {s['dense_wire_bytes']:.0f} (compression {s['compression_ratio']:.2f}x over "
               f"{s['iteration']} steps)")
-    # the Trainer keeps the process group; a Gloo group left to interpreter exit can abort the process
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
