@@ -37,7 +37,7 @@ def test_dense_tail_flushes_the_residual_then_equals_torchs_fp16_hook():
     tail = run_ranks(_grads, 2, "powersgd", steps, dense_from)
     plain = run_ranks(_grads, 2, "powersgd", dense_from)
     for r in range(2):
-        grads, errors, stats = tail[r]
+        grads, errors, _ = tail[r]
         for step in range(dense_from):  # PowerSGD until the tail, exactly as without it
             assert torch.equal(grads[step], plain[r][0][step])
         assert errors[dense_from - 1] == 1 and errors[dense_from] == 0, "the first dense step flushes the residual"

@@ -23,6 +23,19 @@ def check_int(name: str, value: Any, low: int | None = None, high: int | None = 
     return value
 
 
+def check_dense_from(value: Any, start_iter: int) -> int:
+    """A hook's ``dense_from`` (the iteration its dense tail starts) as an int: 0 (no tail) or an
+    iteration >= ``start_iter`` (the tail starts after the dense start-up iterations).
+
+    Raises:
+        ValueError: naming ``dense_from`` for a non-integer, a negative value or one in [1, start_iter).
+    """
+    value = check_int("dense_from", value, 0)
+    if 0 < value < start_iter:
+        raise ValueError(f"dense_from must be 0 or an iteration >= start_iter ({start_iter}); got {value}")
+    return value
+
+
 def check_float(
     name: str,
     value: Any,

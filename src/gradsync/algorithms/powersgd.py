@@ -29,7 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from dataclasses import dataclass
 
 from ..options import Options, option
-from ..validation import check_int
+from ..validation import check_dense_from, check_int
 from .base import HookState
 from .spec import hook_algorithm
 
@@ -67,10 +67,7 @@ class PowerSGDHookState(HookState):
         super().__init__(process_group)
         self.matrix_approximation_rank = check_int("matrix_approximation_rank", matrix_approximation_rank, 1, 64)
         self.start_iter = check_int("start_iter", start_iter, 2)
-        self.dense_from = check_int("dense_from", dense_from, 0)
-        if 0 < self.dense_from < self.start_iter:
-            raise ValueError(f"dense_from must be 0 or an iteration >= start_iter ({self.start_iter}); "
-                             f"got {dense_from}")
+        self.dense_from = check_dense_from(dense_from, self.start_iter)
         self.torch_state = torch_powersgd.PowerSGDState(
             process_group=process_group, matrix_approximation_rank=self.matrix_approximation_rank,
             start_powerSGD_iter=self.start_iter, use_error_feedback=True, warm_start=True,

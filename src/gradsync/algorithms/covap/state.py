@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ...compressors.cast import cast_dtype
 from ...compressors.covap_shards import MAX_RATIO
 from ...feedback.residual import bucket_layout, layout_numels, parameter_names
-from ...validation import check_int
+from ...validation import check_dense_from, check_int
 from ..base import HookState
 from .adapt import CommTimer, RatioAdapter, StepTiming
 from .filter import CovapFilter
@@ -97,10 +97,7 @@ class CovapState(HookState):
         super().__init__(process_group)
         self.filter = CovapFilter(ratio, lam0, ramp_steps, max_ratio)
         self.start_iter = check_int("start_iter", start_iter, 2)
-        self.dense_from = check_int("dense_from", dense_from, 0)
-        if 0 < self.dense_from < self.start_iter:
-            raise ValueError(f"dense_from must be 0 or an iteration >= start_iter ({self.start_iter}); "
-                             f"got {dense_from}")
+        self.dense_from = check_dense_from(dense_from, self.start_iter)
         self.cast_dtype = cast_dtype(cast)
         self.cast = cast
         if adapt_every is None:
