@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from gradsync.bench.sweep import TOLERANCE, merge_quality, predict, run_or_reuse, run_sweep, validate
+from gradsync.bench.sweep import (TOLERANCE, dense_tail, merge_quality, predict, run_or_reuse, run_sweep,
+                                  summary_rows, tail_timing_entry, validate)
 
 SEEDS = [0, 1, 2, 3, 4]
 
@@ -68,6 +69,29 @@ def test_prediction_is_steps_to_target_times_iteration_time_and_validates_agains
     assert auto["entries"]["auto"]["seconds_by_seed"] == pytest.approx([5.0, 5.0, 5.0, 7.5, 5.0])
     timing["chosen_from_ccr"]["auto"]["entry"] = "other"
     assert "auto" not in predict(merged, timing)["entries"] and predict(merged, timing)["auto_not_swept"] == "other"
+
+
+def test_an_entry_with_a_dense_tail_is_predicted_with_both_phases_timed():
+    tailed = "fast:rank=4:dense_from=25"
+    assert dense_tail(tailed) == 25 and dense_tail("fast:rank=4") == 0
+    assert tail_timing_entry(tailed) == "fast:rank=4:dense_from=2" and tail_timing_entry("p:dense-from=9") == "p:dense_from=2"
+    with pytest.raises(ValueError, match="no dense tail"):
+        tail_timing_entry("fast")
+    merged = merge_quality([_quality_bench("allreduce", DENSE), _quality_bench(tailed, FAST, 0.905)])
+    timing = _timing({"allreduce": 0.7, tailed: 0.2, "fast:rank=4:dense_from=2": 0.5})
+    pred = predict(merged, timing)
+    # seeds 0, 1, 2, 4 reach the target at step 20, before the tail: 20 x 0.2 s; seed 3 at step 30:
+    # 25 compressed steps x 0.2 s + 5 tail steps x 0.5 s
+    assert pred["entries"][tailed]["seconds_by_seed"] == pytest.approx([4.0, 4.0, 4.0, 7.5, 4.0])
+    assert pred["curves"][tailed][0][-1] == [40, pytest.approx(12.5), 0.95]
+    assert pred["tail_iteration_s"] == {tailed: 0.5}
+    assert summary_rows(pred)[0]["tail_iteration_ms"] == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="missing: fast:rank=4:dense_from=2"):
+        predict(merged, _timing({"allreduce": 0.7, tailed: 0.2}))
+    # auto choosing the tailed entry: its own iteration time, then the chosen entry's tail
+    timing = {**_timing({"allreduce": 0.7, tailed: 0.2, "fast:rank=4:dense_from=2": 0.5, "auto": 0.3}),
+              "chosen_from_ccr": {"auto": {"entry": tailed}}}
+    assert predict(merged, timing)["entries"]["auto"]["seconds_by_seed"][3] == pytest.approx(25 * 0.3 + 5 * 0.5)
 
 
 def test_the_predicted_curves_are_plotted(tmp_path):
@@ -135,6 +159,12 @@ def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_run
     assert float(shaped[shaped.index("--quality-target") + 1]) == pytest.approx(0.905)
     # the stand-in's "measured" seconds (9 s a point) are not steps x 0.1 s: the prediction does not hold
     assert [r["seed"] for r in v[0]["rows"]] == [0, 3] and v[0]["bandwidth_mbit"] == 5.0 and not v[0]["holds"]
+    # an entry with a dense tail: its tail is timed on every network, and the budget reaches the timing runs
+    calls.clear()
+    run_sweep(["fast:dense_from=25", "allreduce"], SEEDS, 2, [5.0], tmp_path / "tail", values, fake_bench)
+    timed = [c for c in calls if "--to-quality" not in c]
+    assert timed[0][timed[0].index("--algorithms") + 1] == "fast:dense_from=25,allreduce,fast:dense_from=2"
+    assert timed[0][timed[0].index("--epochs") + 1] == "2" and "--eval-every" not in timed[0]
     with pytest.raises(ValueError, match="allreduce"):
         run_sweep(["fast"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench)
     with pytest.raises(ValueError, match="hosts"):

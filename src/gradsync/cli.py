@@ -394,7 +394,8 @@ def _sweep(args: argparse.Namespace) -> int:
             table.add_column(col, justify="left" if col == "entry" else "right", overflow="fold")
         for r in summary_rows(pred):
             name = r["entry"] + (f" (chose {pred['auto_choice']})" if r["entry"] == "auto" else "")
-            table.add_row(name, f"{r['iteration_ms']:.1f}",
+            tail = "" if r["tail_iteration_ms"] is None else f" (tail {r['tail_iteration_ms']:.1f})"
+            table.add_row(name, f"{r['iteration_ms']:.1f}{tail}",
                           "-" if r["median_steps"] is None else f"{r['median_steps']:g}",
                           "not reached" if r["predicted_s"] is None else f"{r['predicted_s']:.1f}",
                           "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",

@@ -12,7 +12,10 @@ bench`` without ``--to-quality``), and predicts
     time to quality on network N = steps to the target (loopback) x mean iteration time on N
 
 per seed, summarised as a measured run is (:func:`gradsync.bench.quality.summarise_quality`: olympic
-mean, median, spread, wins). :func:`validate` compares a prediction with a full shaped run; the
+mean, median, spread, wins). An entry with a dense tail (``dense_from=D``: covap, powersgd) runs two
+phases at two speeds, so the timing runs also time it with ``dense_from`` at the first compressed
+iteration (:func:`tail_timing_entry`: every timed step in the tail), and its time to ``s`` steps is
+``min(s, D) x`` the entry's iteration time ``+ max(0, s - D) x`` the tail's. :func:`validate` compares a prediction with a full shaped run; the
 prediction holds where every seed's error is within :data:`TOLERANCE`.
 
 Every sub-run writes ``bench.json`` under its own folder of the sweep's output together with the
@@ -30,10 +33,50 @@ from typing import Any, Callable, Optional
 
 from .quality import OLYMPIC_MIN_SEEDS, default_target, summarise_quality
 
-__all__ = ["TOLERANCE", "merge_quality", "predict", "validate", "slug", "run_or_reuse"]
+__all__ = ["TOLERANCE", "merge_quality", "predict", "validate", "slug", "run_or_reuse", "dense_tail",
+           "tail_timing_entry"]
 
 #: Largest relative error of a predicted time to quality that counts as "holds" (10 %).
 TOLERANCE = 0.10
+#: The first compressed iteration of covap and powersgd (their ``start_iter``): a timing run of an entry
+#: with ``dense_from`` there has every timed step (after ``gradsync bench``'s warm-up) in the dense tail.
+TAIL_TIMING_FROM = 2
+
+
+def dense_tail(entry: str) -> int:
+    """The ``dense_from`` option of a ``--algorithms`` entry (``powersgd:matrix_approximation_rank=4:dense_from=700``
+    -> 700): the iteration its dense tail starts; 0 without one.
+
+    Raises:
+        ValueError: if the entry's ``dense_from`` is not an integer.
+    """
+    for item in entry.split(":")[1:]:
+        key, _, value = item.partition("=")
+        if key.strip().replace("-", "_") == "dense_from":
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"algorithms entry {entry!r}: dense_from must be an integer; got {value!r}") from None
+    return 0
+
+
+def tail_timing_entry(entry: str) -> str:
+    """``entry`` with ``dense_from`` at :data:`TAIL_TIMING_FROM`: a timing run of it times the dense tail.
+
+    Raises:
+        ValueError: if ``entry`` has no dense tail.
+    """
+    if not dense_tail(entry):
+        raise ValueError(f"algorithms entry {entry!r} has no dense tail (dense_from)")
+    name, *items = entry.split(":")
+    return ":".join([name] + [f"dense_from={TAIL_TIMING_FROM}" if item.partition("=")[0].strip().replace("-", "_")
+                              == "dense_from" else item for item in items])
+
+
+def timed_entries(entries: list[str]) -> list[str]:
+    """``entries`` plus the :func:`tail_timing_entry` of each one with a dense tail (once each)."""
+    tails = [tail_timing_entry(e) for e in entries if e != "auto" and dense_tail(e)]
+    return list(dict.fromkeys([*entries, *tails]))
 
 
 def slug(text: str) -> str:
@@ -102,37 +145,52 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         :func:`~gradsync.bench.quality.summarise_quality` of the curves with every point's seconds
-        replaced by ``steps x iteration_s`` (the target kept), plus those ``"curves"`` (entry -> per
-        seed ``[[steps, predicted seconds, quality], ...]``), ``"iteration_s"`` per entry,
+        replaced by ``steps x iteration_s`` (for an entry with a dense tail from iteration D:
+        ``min(steps, D) x iteration_s + max(0, steps - D) x`` its :func:`tail_timing_entry`'s; the
+        target kept), plus those ``"curves"`` (entry -> per seed ``[[steps, predicted seconds,
+        quality], ...]``), ``"iteration_s"`` per entry (``"tail_iteration_s"``: the dense tail's, per entry
+        with one),
         ``"network"``, ``"dense_ccr"`` and ``"speedup_vs_dense"`` per entry (dense's olympic mean, or
         median with fewer than 5 seeds, over the entry's; None where either is missing, as when a
         seed the olympic mean keeps did not reach the target).
 
     An ``auto`` row of ``timing`` (the entry :mod:`gradsync.profiler.auto` chose on that network) is
-    predicted with the steps of the entry it chose and its own iteration time; ``"auto_choice"`` names
+    predicted with the steps of the entry it chose and its own iteration time (the tail's of the entry it
+    chose, if that has a dense tail); ``"auto_choice"`` names
     the entry (None without an auto row; an ``auto`` whose choice was not swept is left out, named in
     ``"auto_not_swept"``).
 
     Raises:
-        ValueError: if ``timing`` lacks an entry of ``quality`` or its world size differs.
+        ValueError: if ``timing`` lacks an entry of ``quality`` (or the tail timing of one with a dense
+            tail) or its world size differs.
     """
     it = iteration_seconds(timing)
     auto_choice = timing.get("chosen_from_ccr", {}).get("auto", {}).get("entry") if "auto" in it else None
     if auto_choice is not None and auto_choice in quality["curves"] and "auto" not in quality["curves"]:
         quality = {**quality, "curves": {**quality["curves"], "auto": quality["curves"][auto_choice]}}
-    missing = sorted(set(quality["curves"]) - set(it))
+    chosen = {name: auto_choice if name == "auto" and auto_choice else name for name in quality["curves"]}
+    missing = sorted(set(timed_entries(list(chosen.values()))) - set(it))
     if missing:
         raise ValueError(f"timing must time every entry of the sweep; missing: {', '.join(missing)}")
     if "world_size" in quality and timing["world_size"] != quality["world_size"]:
         raise ValueError(f"timing's world size ({timing['world_size']}) must equal the quality runs' "
                          f"({quality['world_size']})")
-    curves = {name: [[[p[0], p[0] * it[name], p[2]] for p in c] for c in per_seed]
+
+    def seconds(name: str, steps: float) -> float:
+        tail_from = dense_tail(chosen[name])
+        if not tail_from or steps <= tail_from:
+            return steps * it[name]
+        return tail_from * it[name] + (steps - tail_from) * it[tail_timing_entry(chosen[name])]
+
+    curves = {name: [[[p[0], seconds(name, p[0]), p[2]] for p in c] for c in per_seed]
               for name, per_seed in quality["curves"].items()}
     out = summarise_quality(curves, quality["seeds"], quality["higher_is_better"], quality["target"])
     out["target_from"] = quality["target_from"]
     dense = quality["target_from"] if quality["target_from"] in curves else "allreduce"
     out["speedup_vs_dense"] = {name: _ratio(out["entries"].get(dense), e) for name, e in out["entries"].items()}
-    out.update(curves=curves, iteration_s={n: it[n] for n in curves}, network=timing.get("network"),
+    out.update(curves=curves, iteration_s={n: it[n] for n in curves},
+               tail_iteration_s={n: it[tail_timing_entry(chosen[n])] for n in curves if dense_tail(chosen[n])},
+               network=timing.get("network"),
                dense_ccr=timing.get("dense_ccr"), auto_choice=auto_choice,
                auto_not_swept=auto_choice if auto_choice is not None and "auto" not in curves else None)
     return out
@@ -211,12 +269,15 @@ def dense_target(dense_result: dict[str, Any]) -> float:
 
 
 def summary_rows(predicted: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per entry of a prediction, fastest first: entry, iteration ms, median steps to the
-    target, predicted olympic mean (or median) seconds, speed-up over dense, seeds reached."""
+    """One row per entry of a prediction, fastest first: entry, iteration ms (and its dense tail's, None
+    without one), median steps to the target, predicted olympic mean (or median) seconds, speed-up over
+    dense, seeds reached."""
     rows = []
+    tails = predicted.get("tail_iteration_s", {})
     for name, e in predicted["entries"].items():
         steps = [s for s in e["steps_by_seed"] if s is not None]
         rows.append({"entry": name, "iteration_ms": predicted["iteration_s"][name] * 1e3,
+                     "tail_iteration_ms": tails[name] * 1e3 if name in tails else None,
                      "median_steps": statistics.median(steps) if steps else None,
                      "predicted_s": _headline(e), "speedup": predicted["speedup_vs_dense"][name],
                      "reached": e["reached"], "final_mean": e["final_mean"]})
@@ -227,6 +288,8 @@ def summary_rows(predicted: dict[str, Any]) -> list[dict[str, Any]]:
 #: forwards to the to-quality runs only.
 MODEL_FLAGS = ("workload", "model", "batch_size", "lr", "bucket_cap_mb", "data_dir")
 QUALITY_FLAGS = ("epochs", "train_samples", "eval_every", "eval_samples")
+#: the budget's flags, forwarded to the timing runs too: ``auto`` there sets a dense tail's start from it
+BUDGET_FLAGS = ("epochs", "train_samples")
 
 
 def _flags(values: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
@@ -274,6 +337,7 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         raise ValueError(f"the validation rates {validate_at[0]} must be among bandwidths {bandwidths}")
     out = Path(out)
     model, qual = _flags(values, MODEL_FLAGS), _flags(values, QUALITY_FLAGS)
+    budget = _flags(values, BUDGET_FLAGS)  # auto scales a dense tail's start to the budget
     seed_flag = ["--seeds", ",".join(map(str, seeds))]
     short = ["--steps", "3", "--warmup", "1", "--rounds", "1"]
 
@@ -291,8 +355,9 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
     merged = merge_quality(results, dense=None if quality_target is not None else "allreduce", target=quality_target)
     networks = {}
     for rate in bandwidths:
-        argv = ["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", ",".join(entries),
-                "--steps", str(steps), "--warmup", str(warmup), "--rounds", str(rounds), *model]
+        argv = ["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms",
+                ",".join(timed_entries(entries)), "--steps", str(steps), "--warmup", str(warmup), "--rounds",
+                str(rounds), *model, *budget]
         timing = run_or_reuse(out / f"network-{hosts}x{rate:g}mbit", argv, run)
         if "NOT shaped" in str(timing.get("network", "")):
             raise RuntimeError("the timing runs need an emulated cluster (root: network namespaces and tc); "
