@@ -4,6 +4,7 @@ bench's use of it end to end on 2 Gloo ranks (loopback: CCR far below 0.5, so de
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -51,6 +52,38 @@ def test_auto_weighs_iteration_time_with_measured_extra_steps_of_the_optimizer_f
     assert choose(PROFILE, 2, 0.003, "sgd", costs).choice.entry == "allreduce"
     only_fp16 = choose(PROFILE, 2, slow, "sgd", costs, allowed=lambda e: e == "fp16")
     assert only_fp16.choice.entry == "fp16" and {r.entry for r in only_fp16.predictions} == {"allreduce", "fp16"}
+
+
+def test_auto_offers_a_measured_dense_tail_scaled_to_the_job_budget():
+    from gradsync.profiler.advise import tail_candidates
+
+    tail = AccuracyCost("powersgd:matrix_approximation_rank=4:dense_from=150", 210, 200, 2, 5, "synthetic",
+                        "dense - 0.5", "test", budget_steps=250)
+    costs = [_cost("fp16", 200), AccuracyCost("powersgd:matrix_approximation_rank=4", 250, 200, 2, 5, "synthetic",
+                                              "dense - 0.5", "test", not_reached=True), tail]
+    slow = 0.30
+    # without a budget the tail is no candidate: plain PowerSGD missed the target, so fp16
+    assert choose(PROFILE, 2, slow, "sgd", costs).choice.entry == "fp16"
+    a = choose(PROFILE, 2, slow, "sgd", costs, budget_steps=500)
+    entry = "powersgd:matrix_approximation_rank=4:dense_from=300"  # 150 of 250 -> 300 of 500
+    assert a.choice.entry == entry and "dense tail from 300" in a.choice.label
+    c = a.choice
+    fp16 = next(r for r in a.predictions if r.entry == "fp16")
+    # 150 steps at PowerSGD's iteration, 60 at the fp16 hook's on PowerSGD's one bucket, over dense's 200
+    assert c.time_to_quality_s == pytest.approx((150 * c.iteration_s + 60 * c.tail_iteration_s) / 200)
+    assert c.iteration_s < fp16.iteration_s <= c.tail_iteration_s and c.time_to_quality_s < fp16.time_to_quality_s
+    assert "fp16 hook" in c.cost and c.extra_steps == pytest.approx(0.05)
+    # the tail counts: at fp16's step count and with a tail from the first step it would lose to fp16
+    early = dataclasses.replace(tail, entry="powersgd:matrix_approximation_rank=4:dense_from=2", steps=200)
+    assert choose(PROFILE, 2, slow, "sgd", [costs[0], early], budget_steps=250).choice.entry == "fp16"
+    # a tail that missed the target, or one not allowed, is never chosen
+    missed = dataclasses.replace(tail, not_reached=True)
+    assert choose(PROFILE, 2, slow, "sgd", [costs[0], missed], budget_steps=500).choice.entry == "fp16"
+    assert choose(PROFILE, 2, slow, "sgd", costs, budget_steps=500,
+                  allowed=lambda e: "dense_from" not in e).choice.entry == "fp16"
+    assert [t[0] for t in tail_candidates(costs, 10)] == ["powersgd:matrix_approximation_rank=4:dense_from=6"]
+    with pytest.raises(ValueError, match="budget_steps"):
+        tail_candidates(costs, 0)
 
 
 @pytest.mark.parametrize("kwargs, name", [

@@ -63,6 +63,21 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "p10": q[0], "p90": q[-1], "mean": statistics.fmean(values)}
 
 
+def budget_steps(cfg: BenchConfig, train_samples: int, world: int) -> int:
+    """Iterations of ``cfg``'s ``--to-quality`` budget: ``cfg.epochs`` passes over the first
+    ``cfg.train_samples`` of ``train_samples`` training samples at ``cfg.batch_size`` per rank on
+    ``world`` ranks.
+
+    Raises:
+        ValueError: if the samples do not give every rank one batch.
+    """
+    n = train_samples if cfg.train_samples is None else min(train_samples, cfg.train_samples)
+    per_epoch = n // world // cfg.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"train_samples ({n}) must give every rank at least one batch of batch_size {cfg.batch_size}")
+    return cfg.epochs * per_epoch
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     """Benchmark ``cfg.algorithms`` on the initialised default group; rank 0 returns the results.
 
@@ -127,7 +142,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
     if AUTO in cfg.algorithms:  # the choice from this run's profile and network (every rank the same)
         agreed, allreduce_s = agreed_profile(profile, ccr.allreduce_s)
-        advice = choose(agreed, world, allreduce_s, workload.optimizer)
+        advice = choose(agreed, world, allreduce_s, workload.optimizer,
+                        budget_steps=budget_steps(cfg, train_x.shape[0], world))
         chosen[AUTO] = {"entry": advice.choice.entry, "reason": advice.reason}
         if rank == 0:
             print(f"auto: {advice.choice.entry}: {advice.reason}", flush=True)
@@ -310,11 +326,8 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
         train_x, train_y = train_x[:cfg.train_samples], train_y[:cfg.train_samples]
     if cfg.eval_samples is not None:
         test_x, test_y = test_x[:cfg.eval_samples], test_y[:cfg.eval_samples]
-    per_epoch = train_x.shape[0] // world // cfg.batch_size
-    if per_epoch < 1:
-        raise ValueError(f"train_samples ({train_x.shape[0]}) must give every rank at least one batch of "
-                         f"batch_size {cfg.batch_size}")
-    total = cfg.epochs * per_epoch
+    total = budget_steps(cfg, train_x.shape[0], world)
+    per_epoch = total // cfg.epochs
     higher = cfg.higher_is_better()
     stride = test_x.shape[0] // GATE_SAMPLES
     cheap_n = GATE_SAMPLES if stride >= 2 else None

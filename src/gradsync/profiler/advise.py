@@ -12,7 +12,11 @@ the table of measured accuracy costs (:mod:`gradsync.profiler.accuracy_costs`):
    (:func:`gradsync.sim.simulate`: wait-free back-propagation, FIFO collectives);
 3. each candidate's predicted time to quality is its iteration time x (1 + extra-steps fraction),
    the fraction taken from the measured steps to a target accuracy against dense all-reduce
-   (0 for the settings whose arithmetic equals DDP's and for the fp16/bf16 casts);
+   (0 for the settings whose arithmetic equals DDP's and for the fp16/bf16 casts); a measured
+   setting with a dense tail (``dense_from``: the end of training through the fp16 hook) is a
+   candidate when the job's budget is known, its tail starting at the measured fraction of the
+   budget, and its time to quality counts the measured steps before the tail at its own iteration
+   time and those after at the fp16 hook's (:func:`tail_candidates`);
 4. the candidates with a known cost are ranked by it; lossy settings without a measurement follow,
    by predicted iteration time, labelled "not measured". The first is recommended unless the CCR
    is below :data:`LOW_CCR` or it gains less than :data:`MIN_GAIN` over DDP: then plain DDP.
@@ -35,7 +39,8 @@ from ..validation import check_float, check_int
 from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost
 from .profile import ccr_at
 
-__all__ = ["Advice", "Prediction", "advise", "candidates", "train_command", "CASTS", "LOW_CCR", "MIN_GAIN"]
+__all__ = ["Advice", "Prediction", "advise", "candidates", "tail_candidates", "train_command", "CASTS", "LOW_CCR",
+           "MIN_GAIN"]
 
 #: Below this CCR a dense all-reduce takes less than half the backward pass, which DDP overlaps it
 #: with: only the last bucket's collective is exposed, and compression only adds work.
@@ -61,6 +66,39 @@ def candidates() -> list[tuple[str, str, AlgorithmPlan]]:
         ("dear", "DeAR", DeARPlan()),
         ("topk:density=0.01", "top-k density 0.01", TopKPlan(0.01)),
     ]
+
+
+def _split_tail(entry: str) -> tuple[str, int]:
+    """``(entry without dense_from, dense_from)``; dense_from 0 without a tail."""
+    from ..algorithms import parse_entry
+
+    tail = parse_entry(entry)[1].get("dense_from", 0)
+    items = [i for i in entry.split(":")[1:] if i.partition("=")[0].strip().replace("-", "_") != "dense_from"]
+    return ":".join([entry.split(":")[0], *items]), tail
+
+
+def tail_candidates(costs: Sequence[AccuracyCost], budget_steps: int
+                    ) -> list[tuple[str, str, AlgorithmPlan, AccuracyCost]]:
+    """The measured settings with a dense tail, offered to a job of ``budget_steps`` iterations:
+    ``(entry, label, plan of the compressed phase, cost row)``, the entry's ``dense_from`` scaled from
+    the measured run's budget to ``budget_steps`` (the tail starts at the same fraction of the
+    one-cycle schedule, at least at iteration 2). A row whose setting without the tail is not among
+    :func:`candidates`, or without a budget, is skipped.
+
+    Raises:
+        ValueError: for ``budget_steps`` < 1.
+    """
+    budget_steps = check_int("budget_steps", budget_steps, 1)
+    plans = {entry: (label, plan) for entry, label, plan in candidates()}
+    out = []
+    for row in costs:
+        base, tail = _split_tail(row.entry)
+        if not tail or not row.budget_steps or base not in plans:
+            continue
+        start = max(2, round(tail * budget_steps / row.budget_steps))
+        label, plan = plans[base]
+        out.append((f"{base}:dense_from={start}", f"{label} + dense tail from {start}", plan, row))
+    return out
 
 
 def _as_run(prof: Profile, entry: str) -> Profile:
@@ -95,6 +133,7 @@ class Prediction:
     cost: str
     source: str | None
     time_to_quality_s: float | None
+    tail_iteration_s: float | None = None
 
     @property
     def measured(self) -> bool:
@@ -139,22 +178,38 @@ def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost],
     if entry in LOSSLESS:
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
     row = _cost_row(entry, world_size, costs)
-    if row is not None and row.not_reached:
-        return row.extra_steps, (f"missed the target ({row.target}) on 2 or more of {row.seeds} seeds, "
-                                 f"{row.world_size} ranks"), row.source
     if row is not None:
-        seeds = f"{row.seeds} seed{'s' if row.seeds > 1 else ''}"
-        return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to "
-                                 f"{row.target}, {seeds}, {row.world_size} ranks)"), row.source
+        return _row_cost(row)
     if entry in CASTS and assume_casts:
         return 0.0, "0 assumed (16-bit cast, not measured)", None
     return None, "not measured", None
 
 
+def _row_cost(row: AccuracyCost) -> tuple[float, str, str]:
+    """``(extra_steps, cost in words, source)`` of a measurement."""
+    if row.not_reached:
+        return row.extra_steps, (f"missed the target ({row.target}) on 2 or more of {row.seeds} seeds, "
+                                 f"{row.world_size} ranks"), row.source
+    seeds = f"{row.seeds} seed{'s' if row.seeds > 1 else ''}"
+    return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to "
+                             f"{row.target}, {seeds}, {row.world_size} ranks)"), row.source
+
+
+def _tail_time_to_quality(row: AccuracyCost, iteration_s: float, tail_iteration_s: float) -> float:
+    """Seconds per DDP-step-equivalent of a setting with a dense tail: the measured steps before the
+    tail at ``iteration_s``, those after it at ``tail_iteration_s``, over dense's steps; infinite when
+    the setting missed the target."""
+    if row.not_reached:
+        return math.inf
+    tail = _split_tail(row.entry)[1]
+    compressed = min(row.steps, tail)
+    return (compressed * iteration_s + (row.steps - compressed) * tail_iteration_s) / row.dense_steps
+
+
 def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
            costs: Sequence[AccuracyCost] = MEASURED_COSTS, latency_s: float = 0.0,
            overlap_efficiency: float = 1.0, assume_casts: bool = True,
-           allowed: Callable[[str], bool] = lambda entry: True) -> Advice:
+           allowed: Callable[[str], bool] = lambda entry: True, budget_steps: int | None = None) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -171,13 +226,15 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         assume_casts: count the fp16/bf16 casts as lossless where ``costs`` has no row for them
             (``gradsync doctor``); False ranks them as "not measured" (``--algorithm auto``).
         allowed: which candidate entries to consider (DDP's all-reduce always is).
+        budget_steps: the job's budget in iterations (its learning-rate schedule's length); with it the
+            measured settings with a dense tail are candidates too (:func:`tail_candidates`).
 
     Returns:
         :class:`Advice`.
 
     Raises:
-        ValueError: naming world_size (an integer >= 2), bandwidth_mbit (> 0), latency_s or
-            overlap_efficiency out of range, or a bad profile.
+        ValueError: naming world_size (an integer >= 2), bandwidth_mbit (> 0), budget_steps (>= 1),
+            latency_s or overlap_efficiency out of range, or a bad profile.
     """
     prof = load_profile(profile)
     world_size = check_int("world_size", world_size, 2)
@@ -191,6 +248,14 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
         extra, cost, source = _cost(entry, world_size, costs, assume_casts)
         rows.append(Prediction(entry, label, t, 0.0, extra, cost, source, None if extra is None else t * (1 + extra)))
+    for entry, label, plan, row in tail_candidates(costs, budget_steps) if budget_steps is not None else ():
+        if not allowed(entry):
+            continue
+        t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
+        tail_t = simulate(_as_run(prof, entry.split(":")[0]), FP16Plan(), world_size, net, overlap_efficiency).iteration_s
+        extra, cost, source = _row_cost(row)
+        cost = f"{cost}; the tail's iterations at the fp16 hook's {tail_t * 1e3:.1f} ms"
+        rows.append(Prediction(entry, label, t, 0.0, extra, cost, source, _tail_time_to_quality(row, t, tail_t), tail_t))
     dense = rows[0].iteration_s
     rows = [dataclasses.replace(r, speedup=dense / r.iteration_s) for r in rows]
     order = {r.entry: i for i, r in enumerate(rows)}

@@ -9,7 +9,8 @@ the measured time (:func:`effective_bandwidth_mbit`), and :func:`gradsync.profil
 ranks the candidates by predicted iteration time (trace-driven simulator) x (1 + extra steps to the
 quality target), counting only accuracy costs *measured* for the job's optimizer family
 (:mod:`gradsync.profiler.accuracy_costs`): a setting without a measurement for that family is not
-chosen. Below a CCR of 0.5, or when nothing measured is predicted at least 10 % faster to quality,
+chosen. Given the job's budget (its schedule's iterations), the measured settings with a dense tail
+are candidates too, the tail starting at the measured fraction of the budget. Below a CCR of 0.5, or when nothing measured is predicted at least 10 % faster to quality,
 auto keeps dense all-reduce.
 """
 
@@ -61,25 +62,27 @@ def effective_bandwidth_mbit(prof: Profile, world_size: int, allreduce_s: float)
 
 
 def choose(prof: Profile, world_size: int, allreduce_s: float, optimizer: str,
-           costs: Sequence[AccuracyCost] = MEASURED_COSTS, allowed: Callable[[str], bool] = lambda entry: True
-           ) -> Advice:
+           costs: Sequence[AccuracyCost] = MEASURED_COSTS, allowed: Callable[[str], bool] = lambda entry: True,
+           budget_steps: int | None = None) -> Advice:
     """The auto choice (pure: no collectives) for profile ``prof`` (seconds) on ``world_size`` ranks whose
     dense all-reduce of the buckets took ``allreduce_s`` seconds, for optimizer family ``optimizer``
-    (``"sgd"`` or ``"adamw"``); ``allowed(entry)`` restricts the candidates (e.g. hooks only).
+    (``"sgd"`` or ``"adamw"``); ``allowed(entry)`` restricts the candidates (e.g. hooks only);
+    ``budget_steps`` (the job's iterations; None: unknown) admits the settings with a dense tail.
 
     Raises:
-        ValueError: for ``world_size`` < 2 or ``allreduce_s`` <= 0.
+        ValueError: for ``world_size`` < 2, ``allreduce_s`` <= 0 or ``budget_steps`` < 1.
     """
     bandwidth = effective_bandwidth_mbit(prof, world_size, allreduce_s)
-    family = [c for c in costs if c.optimizer == optimizer and allowed(c.entry)]
-    return advise(prof, world_size, bandwidth, costs=family, assume_casts=False, allowed=allowed)
+    family = [c for c in costs if c.optimizer == optimizer]
+    return advise(prof, world_size, bandwidth, costs=family, assume_casts=False, allowed=allowed,
+                  budget_steps=budget_steps)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  make_optimizer: Callable[[Any], torch.optim.Optimizer], optimizer: str, workload: str,
                  batch_size: int, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
-                 group: Any = None) -> tuple[str, Advice]:
+                 group: Any = None, budget_steps: int | None = None) -> tuple[str, Advice]:
     """Collective (every rank, same arguments but its own batches): measure and choose.
 
     Args:
@@ -89,6 +92,8 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
         optimizer: the optimizer family, ``"sgd"`` or ``"adamw"``.
         workload, batch_size, bucket_cap_mb: the profile's labels and DDP's bucket size (MB).
         allowed: which ``--algorithms`` entries may be chosen.
+        budget_steps: the job's iterations (its schedule's length), which admits the settings with a
+            dense tail; None: unknown.
 
     Returns:
         ``(entry, advice)``: the chosen ``gradsync bench --algorithms`` entry (e.g.
@@ -108,5 +113,5 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
                           bucket_cap_mb, iterations=3)
     ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
-    advice = choose(prof, world, allreduce_s, optimizer, allowed=allowed)
+    advice = choose(prof, world, allreduce_s, optimizer, allowed=allowed, budget_steps=budget_steps)
     return advice.choice.entry, advice
