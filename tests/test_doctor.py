@@ -88,7 +88,9 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("argv, flag", [(["--bandwidth", "0", "--world-size", "4"], "--bandwidth"),
-                                        (["--bandwidth", "100", "--world-size", "1"], "--world-size")])
+                                        (["--bandwidth", "100", "--world-size", "1"], "--world-size"),
+                                        (["--bandwidth", "100", "--world-size", "2", "--budget-steps", "0"],
+                                         "--budget-steps")])
 def test_cli_refuses_bad_network(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["doctor", *argv])
@@ -113,13 +115,18 @@ def test_module_function_model(tmp_path, monkeypatch):
 def test_cli_fashion_mnist(tmp_path, capsys):
     out = tmp_path / "doctor.json"
     assert main(["doctor", "--model", "fashion-mnist", "--batch-size", "8", "--iterations", "1",
-                 "--bandwidth", "10", "--world-size", "2", "--compute-scale", "0.5", "--json", str(out)]) == 0
+                 "--bandwidth", "10", "--world-size", "2", "--compute-scale", "0.5", "--budget-steps", "468",
+                 "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Recommendation:" in text and "Why: CCR" in text and "gradsync train --algorithm" in text
     d = json.loads(out.read_text())
     assert {"profile", "ccr", "dense_allreduce_s", "predictions", "choice", "reason", "notes", "command",
             "bucket_cap_mb"} <= set(d)
     assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
-    assert d["ccr"] > 0 and d["choice"]["entry"] in ENTRIES and len(d["predictions"]) == len(ENTRIES)
+    # every candidate, plus the measured dense tails scaled to the budget (700 of 936 -> 350 of 468)
+    tails = {r.entry.replace("dense_from=700", "dense_from=350") for r in MEASURED_COSTS if "dense_from" in r.entry}
+    assert "powersgd:matrix_approximation_rank=4:dense_from=350" in tails
+    assert d["ccr"] > 0 and {p["entry"] for p in d["predictions"]} == {*ENTRIES, *tails}
+    assert d["choice"]["entry"] in {*ENTRIES, *tails}
     assert len(d["profile"]["buckets"]) >= 4  # --bucket-cap-mb auto: enough buckets to overlap
     assert d["command"] == train_command(d["choice"]["entry"], d["bucket_cap_mb"])

@@ -530,6 +530,9 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the measured (CPU) compute times, e.g. 0.02 for GPUs 50x faster than this CPU")
+    p.add_argument("--budget-steps", type=int, default=None,
+                   help="the job's iterations (its learning-rate schedule's length): also offers the measured "
+                        "settings with a dense tail, their tail scaled to this budget")
     p.add_argument("--json", default=None, help="also write the profile, every prediction and the advice here")
     p.set_defaults(func=_doctor)
 
@@ -549,8 +552,9 @@ def _doctor(args: argparse.Namespace) -> int:
     check_int("--world-size", args.world_size, 2)
     check_float("--latency-us", args.latency_us, 0.0, 1e7)
     scale = check_float("--compute-scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
+    budget = None if args.budget_steps is None else check_int("--budget-steps", args.budget_steps, 1)
     prof = _measure_profile(args).scale_compute(scale)
-    advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
+    advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6, budget_steps=budget)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
