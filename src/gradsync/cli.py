@@ -567,7 +567,8 @@ def _doctor(args: argparse.Namespace) -> int:
         table.add_column(col, justify=justify)
     ddp = next(r for r in advice.predictions if r.entry == "allreduce")
     for r in advice.predictions:
-        ttq = f"{ddp.time_to_quality_s / r.time_to_quality_s:.2f}x" if r.measured else "?"
+        ttq = ("?" if not r.measured else "missed" if r.time_to_quality_s == float("inf")
+               else f"{ddp.time_to_quality_s / r.time_to_quality_s:.2f}x")
         table.add_row(("-> " if r is advice.choice else "") + r.entry, f"{r.iteration_s * 1e3:.1f}",
                       f"{r.speedup:.2f}x", r.cost, ttq, style="bold" if r is advice.choice else None)
     console = Console(width=140)
