@@ -135,6 +135,28 @@ def parse_entry(entry: str) -> tuple[str, dict[str, Any]]:
     return name, out
 
 
+def split_dense_tail(entry: str) -> tuple[str, int]:
+    """``(entry without its dense_from item, dense_from)`` of a ``--algorithms`` entry, read from the text
+    alone (any name): ``powersgd:matrix_approximation_rank=4:dense_from=700`` ->
+    ``("powersgd:matrix_approximation_rank=4", 700)``; dense_from is 0 without a tail.
+
+    Raises:
+        ValueError: naming the entry, if its dense_from is not an integer.
+    """
+    name, *items = entry.split(":")
+    kept, tail = [], 0
+    for item in items:
+        key, _, value = item.partition("=")
+        if key.strip().replace("-", "_") != "dense_from":
+            kept.append(item)
+            continue
+        try:
+            tail = int(value)
+        except ValueError:
+            raise ValueError(f"algorithms entry {entry!r}: dense_from must be an integer; got {value!r}") from None
+    return ":".join([name, *kept]), tail
+
+
 def _parse_value(spec: Any, text: str, entry: str) -> Any:
     if spec.base is bool:
         if text.lower() not in ("true", "false"):

@@ -31,6 +31,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from ..algorithms import split_dense_tail
 from .quality import OLYMPIC_MIN_SEEDS, default_target, summarise_quality
 
 __all__ = ["TOLERANCE", "merge_quality", "predict", "validate", "slug", "run_or_reuse", "dense_tail",
@@ -50,14 +51,7 @@ def dense_tail(entry: str) -> int:
     Raises:
         ValueError: if the entry's ``dense_from`` is not an integer.
     """
-    for item in entry.split(":")[1:]:
-        key, _, value = item.partition("=")
-        if key.strip().replace("-", "_") == "dense_from":
-            try:
-                return int(value)
-            except ValueError:
-                raise ValueError(f"algorithms entry {entry!r}: dense_from must be an integer; got {value!r}") from None
-    return 0
+    return split_dense_tail(entry)[1]
 
 
 def tail_timing_entry(entry: str) -> str:
@@ -66,11 +60,10 @@ def tail_timing_entry(entry: str) -> str:
     Raises:
         ValueError: if ``entry`` has no dense tail.
     """
-    if not dense_tail(entry):
+    base, tail = split_dense_tail(entry)
+    if not tail:
         raise ValueError(f"algorithms entry {entry!r} has no dense tail (dense_from)")
-    name, *items = entry.split(":")
-    return ":".join([name] + [f"dense_from={TAIL_TIMING_FROM}" if item.partition("=")[0].strip().replace("-", "_")
-                              == "dense_from" else item for item in items])
+    return f"{base}:dense_from={TAIL_TIMING_FROM}"
 
 
 def timed_entries(entries: list[str]) -> list[str]:

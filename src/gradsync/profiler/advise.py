@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..algorithms import split_dense_tail
 from ..comm.buckets import bucket_overlap_warning
 from ..sim.costmodel import Network
 from ..sim.engine import simulate
@@ -61,20 +62,11 @@ def candidates() -> list[tuple[str, str, AlgorithmPlan]]:
         ("allreduce", "DDP all-reduce", DensePlan()),
         ("fp16", "fp16 cast", FP16Plan()),
         ("bf16", "bf16 cast", FP16Plan()),
-        *[(f"powersgd:matrix_approximation_rank={r}", f"PowerSGD r={r}", PowerSGDPlan(r)) for r in (1, 2, 4)],
+        *[(f"powersgd:matrix_approximation_rank={r}", f"PowerSGD r={r}", PowerSGDPlan(r)) for r in (1, 2, 4, 8)],
         *[(f"covap:ratio={k}:cast=fp16", f"COVAP K={k}, fp16 shards", CovapSimPlan(k)) for k in range(2, 7)],
         ("dear", "DeAR", DeARPlan()),
         ("topk:density=0.01", "top-k density 0.01", TopKPlan(0.01)),
     ]
-
-
-def _split_tail(entry: str) -> tuple[str, int]:
-    """``(entry without dense_from, dense_from)``; dense_from 0 without a tail."""
-    from ..algorithms import parse_entry
-
-    tail = parse_entry(entry)[1].get("dense_from", 0)
-    items = [i for i in entry.split(":")[1:] if i.partition("=")[0].strip().replace("-", "_") != "dense_from"]
-    return ":".join([entry.split(":")[0], *items]), tail
 
 
 def tail_candidates(costs: Sequence[AccuracyCost], budget_steps: int
@@ -92,7 +84,7 @@ def tail_candidates(costs: Sequence[AccuracyCost], budget_steps: int
     plans = {entry: (label, plan) for entry, label, plan in candidates()}
     out = []
     for row in costs:
-        base, tail = _split_tail(row.entry)
+        base, tail = split_dense_tail(row.entry)
         if not tail or not row.budget_steps or base not in plans:
             continue
         start = max(2, round(tail * budget_steps / row.budget_steps))
@@ -201,7 +193,7 @@ def _tail_time_to_quality(row: AccuracyCost, iteration_s: float, tail_iteration_
     the setting missed the target."""
     if row.not_reached:
         return math.inf
-    tail = _split_tail(row.entry)[1]
+    tail = split_dense_tail(row.entry)[1]
     compressed = min(row.steps, tail)
     return (compressed * iteration_s + (row.steps - compressed) * tail_iteration_s) / row.dense_steps
 
