@@ -126,6 +126,22 @@ def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     assert (tmp_path / "quality.png").exists()
 
 
+@pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
+                    reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+def test_bench_to_quality_takes_dense_target_from_a_small_test_set_evaluated_in_full(tmp_path):
+    # under 2,000 test samples every evaluation is a full one (no cheap gate); the target still comes
+    # from dense's finals (the kjv workloads' case: their test set is small)
+    proc = run_cli(
+        ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms", "allreduce,fp16",
+         "--seeds", "0", "--to-quality", "--epochs", "1", "--train-samples", "256", "--eval-every", "2",
+         "--eval-samples", "500", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    q = json.loads((tmp_path / "bench.json").read_text())["quality"]
+    assert q["cheap_samples"] is None and q["target_from"] == "allreduce"
+    assert q["target"] == pytest.approx(q["entries"]["allreduce"]["final_by_seed"][0] - 0.005)
+    assert [p[0] for p in q["curves"]["fp16"][0]] == [2]
+
+
 def test_quality_table_needs_to_quality(capsys):
     with pytest.raises(ValueError, match="needs --to-quality"):
         print_quality_table({"config": {}, "rows": []}, "loopback")

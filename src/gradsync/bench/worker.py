@@ -345,6 +345,7 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     curves: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
     cheap: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
     pending: list[tuple[str, int, list[dict[str, torch.Tensor]], float]] = []
+    dense_finals: list[float] = []
 
     def resolve(name: str, k: int, snapshots: list[dict[str, torch.Tensor]], final: float) -> None:
         with torch.random.fork_rng():
@@ -392,8 +393,10 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
             resolve(name, k, snapshots, final)
         if rank == 0:
             print(f"seed {seed} {name}: {total} steps, {elapsed:.1f} s, final {workload.metric} {final:.4f}", flush=True)
+        if name == dense:
+            dense_finals.append(final)
         if target is None and name == dense and k == len(seeds) - 1:
-            target = default_target([p[3] for p in pending], higher)
+            target = default_target(dense_finals, higher)
             for run in pending:
                 resolve(*run)
             pending.clear()
