@@ -8,6 +8,7 @@ import json
 import pytest
 
 from gradsync.bench.config import parse_entry
+from gradsync.algorithms import split_dense_tail
 from gradsync.cli import main
 from gradsync.profiler.accuracy_costs import MEASURED_COSTS, AccuracyCost
 from gradsync.profiler.advise import LOW_CCR, MIN_GAIN, advise, candidates, train_command
@@ -124,7 +125,8 @@ def test_cli_fashion_mnist(tmp_path, capsys):
             "bucket_cap_mb"} <= set(d)
     assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
     # every candidate, plus the measured dense tails scaled to the budget (700 of 936 -> 350 of 468)
-    tails = {r.entry.replace("dense_from=700", "dense_from=350") for r in MEASURED_COSTS if "dense_from" in r.entry}
+    tails = {f"{base}:dense_from={tail // 2}" for base, tail in map(split_dense_tail, (r.entry for r in MEASURED_COSTS))
+             if tail}
     assert "powersgd:matrix_approximation_rank=4:dense_from=350" in tails
     assert d["ccr"] > 0 and {p["entry"] for p in d["predictions"]} == {*ENTRIES, *tails}
     assert d["choice"]["entry"] in {*ENTRIES, *tails}

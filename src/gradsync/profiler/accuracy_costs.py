@@ -65,10 +65,12 @@ _GRID = ("docs/results.md, 'Time to quality, MLPerf-style (gradsync sweep)': gra
 #: dense all-reduce's olympic-mean steps to the target in that grid (seeds: 897, 780, 819, not reached, 819)
 _DENSE_STEPS = 845
 _TAIL_TARGET = "dense's mean final accuracy - 0.5 points (89.46 %), one-cycle recipe, 2 epochs (936 steps)"
-_TAIL_GRID = ("docs/results.md, 'Time to quality with a dense tail (gradsync sweep)': gradsync sweep --algorithms "
-              "allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=4:dense_from=700,"
-              "covap:ratio=2:cast=fp16:dense_from=700,covap:ratio=3:cast=fp16:dense_from=700,auto --seeds 0,1,2,3,4 "
-              "--hosts 2 --bandwidths 5,15,40 --epochs 2 --eval-every 39 (this machine); steps: olympic mean over 5 seeds")
+_TAIL_GRID = ("docs/results.md, 'Time to quality: PowerSGD ranks and dense tails (gradsync sweep)': gradsync sweep "
+              "--algorithms allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
+              "powersgd:matrix_approximation_rank=16,powersgd:matrix_approximation_rank=4:dense_from=700,"
+              "powersgd:matrix_approximation_rank=4:dense_from=800,auto --seeds 0,1,2,3,4 --hosts 2 --bandwidths 5,15,40 "
+              "--epochs 2 --eval-every 39 --out runs/grid (this machine; the COVAP tails in the same folder, section "
+              "'Time to quality with a dense tail'); steps: olympic mean over 5 seeds")
 #: dense all-reduce's olympic-mean steps to the target in the dense-tail grid (seeds: 897, 780, 780, 819, 819)
 _TAIL_DENSE_STEPS = 806
 
@@ -91,7 +93,10 @@ def _tail_grid(entry: str, steps: int, not_reached: bool = False) -> AccuracyCos
 MEASURED_COSTS: tuple[AccuracyCost, ...] = (
     _tail_grid("fp16", 832),                                                   # 858/780/819/858/819
     _tail_grid("powersgd:matrix_approximation_rank=4", 936, not_reached=True),  # reached on 3 of 5 seeds
+    _tail_grid("powersgd:matrix_approximation_rank=8", 858),                    # 858/858/858/-/819
+    _tail_grid("powersgd:matrix_approximation_rank=16", 858),                   # 858/858/858/858/819
     _tail_grid("powersgd:matrix_approximation_rank=4:dense_from=700", 910),     # 936/858/897/-/897
+    _tail_grid("powersgd:matrix_approximation_rank=4:dense_from=800", 936, not_reached=True),  # -/858/897/-/858
     _tail_grid("covap:ratio=2:cast=fp16:dense_from=700", 936, not_reached=True),  # 0 of 5 (89.26 %)
     _tail_grid("covap:ratio=3:cast=fp16:dense_from=700", 936, not_reached=True),  # 0 of 5 (88.66 %)
     _grid("powersgd:matrix_approximation_rank=2", 936, not_reached=True),  # 0 of 5 (mean final 89.02 %)
