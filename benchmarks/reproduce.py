@@ -157,8 +157,9 @@ def sweep_table(out: Path, runs: list[Run]) -> str:
 
 
 # ------------------------------------------------------------------------------------- experiments
-DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=4,auto", "--seeds", "0", "--hosts", "2",
-        "--bandwidths", "5", "--epochs", "2", "--eval-every", "39"]  # the Makefile's DEMO_ARGS
+DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd:matrix_approximation_rank=4:dense_from=700,"
+        "auto", "--seeds", "0", "--hosts", "2", "--bandwidths", "5", "--epochs", "2", "--eval-every", "39",
+        "--rounds", "1"]  # the Makefile's DEMO_ARGS
 # --quick: a few steps of everything (sweep-fmnist's and the demo's)
 SWEEP_QUICK = ["--train-samples", "512", "--epochs", "1", "--eval-every", "2", "--eval-samples", "200", "--steps", "2",
                "--warmup", "0", "--rounds", "1"]
@@ -171,6 +172,10 @@ SEEDS = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=1,po
 # the fashion-mnist grid of gradsync sweep (the entries whose loopback steps to quality were measured)
 SWEEP_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=2,covap:ratio=3:cast=fp16,"
                  "powersgd:matrix_approximation_rank=4,covap:ratio=2:cast=fp16,auto")
+# the fashion-mnist grid of PowerSGD ranks and dense tails, with auto (docs/results.md's first section)
+TAIL_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
+                "powersgd:matrix_approximation_rank=16,powersgd:matrix_approximation_rank=4:dense_from=700,"
+                "powersgd:matrix_approximation_rank=4:dense_from=800,auto")
 # the transformer with AdamW (before --algorithm ...)
 ADAMW = ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150"]
 
@@ -242,6 +247,11 @@ EXPERIMENTS = [
                                "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
                                "--validate-bandwidth", "5,15", "--validate-algorithms",
                                "powersgd:matrix_approximation_rank=2", "--validate-seeds", "0"],
+            quick=["--seeds", "0", *SWEEP_QUICK]),
+    ], sweep_table, root=True),
+    Experiment("sweep-tails", "Results: time to quality of PowerSGD ranks, dense tails and auto (gradsync sweep)", [
+        Run("sweep", "sweep", ["--algorithms", TAIL_ENTRIES, "--seeds", "0,1,2,3,4", "--hosts", "2",
+                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
     Experiment("crossover", "Results: crossover rates (benchmarks/crossover.py)", [

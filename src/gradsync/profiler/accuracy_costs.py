@@ -65,7 +65,7 @@ _GRID = ("docs/results.md, 'Time to quality, MLPerf-style (gradsync sweep)': gra
 #: dense all-reduce's olympic-mean steps to the target in that grid (seeds: 897, 780, 819, not reached, 819)
 _DENSE_STEPS = 845
 _TAIL_TARGET = "dense's mean final accuracy - 0.5 points (89.46 %), one-cycle recipe, 2 epochs (936 steps)"
-_TAIL_GRID = ("docs/results.md, 'Time to quality: PowerSGD ranks and dense tails (gradsync sweep)': gradsync sweep "
+_TAIL_GRID = ("docs/results.md, 'Time to quality: PowerSGD ranks, dense tails and auto (gradsync sweep)': gradsync sweep "
               "--algorithms allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
               "powersgd:matrix_approximation_rank=16,powersgd:matrix_approximation_rank=4:dense_from=700,"
               "powersgd:matrix_approximation_rank=4:dense_from=800,auto --seeds 0,1,2,3,4 --hosts 2 --bandwidths 5,15,40 "
