@@ -530,6 +530,8 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the measured (CPU) compute times, e.g. 0.02 for GPUs 50x faster than this CPU")
+    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                   help="the job's optimizer family: only accuracy costs measured with it count")
     p.add_argument("--budget-steps", type=int, default=None,
                    help="the job's iterations (its learning-rate schedule's length): also offers the measured "
                         "settings with a dense tail, their tail scaled to this budget")
@@ -545,6 +547,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from .profiler.accuracy_costs import MEASURED_COSTS
     from .profiler.advise import advise, train_command
     from .validation import check_float, check_int
 
@@ -554,7 +557,9 @@ def _doctor(args: argparse.Namespace) -> int:
     scale = check_float("--compute-scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
     budget = None if args.budget_steps is None else check_int("--budget-steps", args.budget_steps, 1)
     prof = _measure_profile(args).scale_compute(scale)
-    advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6, budget_steps=budget)
+    costs = [c for c in MEASURED_COSTS if c.optimizer == args.optimizer]
+    advice = advise(prof, args.world_size, args.bandwidth, costs=costs, latency_s=args.latency_us * 1e-6,
+                    budget_steps=budget)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
