@@ -254,6 +254,14 @@ EXPERIMENTS = [
                                "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
+    Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
+        Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
+                               "allreduce,fp16,powersgd:matrix_approximation_rank=4:dense_from=300,auto",
+                               "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "10,30,100,300", "--eval-every",
+                               "40", "--steps", "10", "--warmup", "3", "--rounds", "1"],
+            quick=["--seeds", "0", "--workload", "kjv-transformer", "--train-samples", "128", "--epochs", "1",
+                   "--eval-every", "2", "--eval-samples", "64", "--steps", "2", "--warmup", "0", "--rounds", "1"]),
+    ], sweep_table, root=True),
     Experiment("crossover", "Results: crossover rates (benchmarks/crossover.py)", [
         Run("crossover", "script", ["benchmarks/crossover.py", "--bandwidths", "10,50,250,1000", "--algorithms",
                                     "allreduce,oscar-sw,oscar-asc,topk,covap", "--hosts", "2", "--steps", "15",
