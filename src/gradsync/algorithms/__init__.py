@@ -157,6 +157,23 @@ def split_dense_tail(entry: str) -> tuple[str, int]:
     return ":".join([name, *kept]), tail
 
 
+def dense_tail_seconds(entry: str, steps: float, iteration_s: float, tail_iteration_s: float | None) -> float:
+    """Seconds of ``steps`` iterations of ``entry``: with a dense tail from iteration D
+    (:func:`split_dense_tail`), ``min(steps, D) x iteration_s + max(0, steps - D) x tail_iteration_s``;
+    without one ``steps x iteration_s`` (``tail_iteration_s`` unused, may be None).
+
+    Raises:
+        ValueError: if the entry has a dense tail and ``tail_iteration_s`` is None, or its dense_from is not
+            an integer.
+    """
+    tail = split_dense_tail(entry)[1]
+    if not tail or steps <= tail:
+        return steps * iteration_s
+    if tail_iteration_s is None:
+        raise ValueError(f"algorithms entry {entry!r} has a dense tail: tail_iteration_s must be given")
+    return tail * iteration_s + (steps - tail) * tail_iteration_s
+
+
 def _parse_value(spec: Any, text: str, entry: str) -> Any:
     if spec.base is bool:
         if text.lower() not in ("true", "false"):

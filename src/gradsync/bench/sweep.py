@@ -31,7 +31,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..algorithms import split_dense_tail
+from ..algorithms import dense_tail_seconds, split_dense_tail
 from .quality import OLYMPIC_MIN_SEEDS, default_target, summarise_quality
 
 __all__ = ["TOLERANCE", "merge_quality", "predict", "validate", "slug", "run_or_reuse", "dense_tail",
@@ -170,10 +170,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
                          f"({quality['world_size']})")
 
     def seconds(name: str, steps: float) -> float:
-        tail_from = dense_tail(chosen[name])
-        if not tail_from or steps <= tail_from:
-            return steps * it[name]
-        return tail_from * it[name] + (steps - tail_from) * it[tail_timing_entry(chosen[name])]
+        tail_s = it[tail_timing_entry(chosen[name])] if dense_tail(chosen[name]) else None
+        return dense_tail_seconds(chosen[name], steps, it[name], tail_s)
 
     curves = {name: [[[p[0], seconds(name, p[0]), p[2]] for p in c] for c in per_seed]
               for name, per_seed in quality["curves"].items()}

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..algorithms import split_dense_tail
+from ..algorithms import dense_tail_seconds, split_dense_tail
 from ..comm.buckets import bucket_overlap_warning
 from ..sim.costmodel import Network
 from ..sim.engine import simulate
@@ -193,9 +193,7 @@ def _tail_time_to_quality(row: AccuracyCost, iteration_s: float, tail_iteration_
     the setting missed the target."""
     if row.not_reached:
         return math.inf
-    tail = split_dense_tail(row.entry)[1]
-    compressed = min(row.steps, tail)
-    return (compressed * iteration_s + (row.steps - compressed) * tail_iteration_s) / row.dense_steps
+    return dense_tail_seconds(row.entry, row.steps, iteration_s, tail_iteration_s) / row.dense_steps
 
 
 def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
