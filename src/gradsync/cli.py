@@ -547,7 +547,6 @@ def _doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .profiler.accuracy_costs import MEASURED_COSTS
     from .profiler.advise import advise, train_command
     from .validation import check_float, check_int
 
@@ -557,9 +556,8 @@ def _doctor(args: argparse.Namespace) -> int:
     scale = check_float("--compute-scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
     budget = None if args.budget_steps is None else check_int("--budget-steps", args.budget_steps, 1)
     prof = _measure_profile(args).scale_compute(scale)
-    costs = [c for c in MEASURED_COSTS if c.optimizer == args.optimizer]
-    advice = advise(prof, args.world_size, args.bandwidth, costs=costs, latency_s=args.latency_us * 1e-6,
-                    budget_steps=budget)
+    advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6, budget_steps=budget,
+                    optimizer=args.optimizer)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "

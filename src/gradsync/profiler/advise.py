@@ -199,7 +199,8 @@ def _tail_time_to_quality(row: AccuracyCost, iteration_s: float, tail_iteration_
 def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
            costs: Sequence[AccuracyCost] = MEASURED_COSTS, latency_s: float = 0.0,
            overlap_efficiency: float = 1.0, assume_casts: bool = True,
-           allowed: Callable[[str], bool] = lambda entry: True, budget_steps: int | None = None) -> Advice:
+           allowed: Callable[[str], bool] = lambda entry: True, budget_steps: int | None = None,
+           optimizer: str | None = None) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -218,6 +219,8 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         allowed: which candidate entries to consider (DDP's all-reduce always is).
         budget_steps: the job's budget in iterations (its learning-rate schedule's length); with it the
             measured settings with a dense tail are candidates too (:func:`tail_candidates`).
+        optimizer: the job's optimizer family (``"sgd"``, ``"adamw"``): only ``costs`` measured with it
+            count; None: every row.
 
     Returns:
         :class:`Advice`.
@@ -227,6 +230,8 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
             latency_s or overlap_efficiency out of range, or a bad profile.
     """
     prof = load_profile(profile)
+    if optimizer is not None:
+        costs = [c for c in costs if c.optimizer == optimizer]
     world_size = check_int("world_size", world_size, 2)
     bandwidth_mbit = check_float("bandwidth_mbit", bandwidth_mbit, 0.0, 1e9, low_inclusive=False)
     net = Network.from_mbit(bandwidth_mbit, latency_s)

@@ -73,9 +73,8 @@ def choose(prof: Profile, world_size: int, allreduce_s: float, optimizer: str,
         ValueError: for ``world_size`` < 2, ``allreduce_s`` <= 0 or ``budget_steps`` < 1.
     """
     bandwidth = effective_bandwidth_mbit(prof, world_size, allreduce_s)
-    family = [c for c in costs if c.optimizer == optimizer]
-    return advise(prof, world_size, bandwidth, costs=family, assume_casts=False, allowed=allowed,
-                  budget_steps=budget_steps)
+    return advise(prof, world_size, bandwidth, costs=costs, assume_casts=False, allowed=allowed,
+                  budget_steps=budget_steps, optimizer=optimizer)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
