@@ -80,7 +80,6 @@ def main() -> None:
     print(f"rank {dist.get_rank()}: {args.algorithm} put {s['wire_bytes']:.0f} bytes on the wire, "
           f"dense all-reduce {s['dense_wire_bytes']:.0f} "
           f"(compression {s['compression_ratio']:.2f}x over {s['iteration']} iterations)", flush=True)
-    del ddp, state  # DDP and the hook state before the process group: nothing of it is left to interpreter exit
     dist.destroy_process_group()
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import wire_bytes
+from ..comm.futures import drain_at_exit
 from ..feedback.finite import FiniteGuard
 from .protocol import Algorithm
 
@@ -41,6 +42,7 @@ class HookState(Algorithm):
     def __init__(self, process_group: dist.ProcessGroup | None = None):
         self.process_group = process_group
         init_counters(self)
+        drain_at_exit()  # the last step's callbacks are released before the interpreter finalizes
 
     # -- helpers for hooks ------------------------------------------------------------------
     @property

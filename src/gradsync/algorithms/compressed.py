@@ -24,6 +24,7 @@ import torch.distributed as dist
 from gradsync.algorithms.base import HookState
 from gradsync.algorithms.spec import hook_algorithm
 from gradsync.comm.collectives import dense_allreduce
+from gradsync.comm.futures import then
 from gradsync.options import Options, option
 from gradsync.comm.sparse import communicate
 from gradsync.compressors import Compressor, make_compressor
@@ -227,7 +228,7 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
     fut = communicate(state.compressor, payload, ctx, group, count, timer)
     verdict = guard.launch_verdict(group, buf.device, count) if bucket.is_last() else None
     state._finish_bucket(bucket, rec)
-    return state.guarded(bucket, fut.then(copy_back(buf)), verdict)
+    return state.guarded(bucket, then(fut, copy_back(buf)), verdict)
 
 
 def dense_start(buf: torch.Tensor, rec: dict[str, Any], group: Any, count: Any) -> torch.futures.Future:

@@ -61,6 +61,7 @@ from gradsync.algorithms.compressed import copy_back, dense_start
 from gradsync.algorithms.gravac_controller import GravacController
 from gradsync.algorithms.spec import hook_algorithm
 from gradsync.comm.collectives import dense_allreduce
+from gradsync.comm.futures import then
 from gradsync.comm.sparse import communicate
 from gradsync.compressors import SparseCompressor, make_compressor
 from gradsync.feedback.residual import ResidualMemory, bucket_layout, parameter_names
@@ -380,7 +381,7 @@ def gravac_hook(state: GravacState, bucket: dist.GradBucket) -> torch.futures.Fu
     if bucket.is_last():
         state._end_of_step(rec, buf.device)
     rec["dense_wire_bytes"] += state.end_bucket(bucket)
-    return state.guarded(bucket, fut.then(copy_back(buf)), rec.pop("verdict", None))
+    return state.guarded(bucket, then(fut, copy_back(buf)), rec.pop("verdict", None))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from dataclasses import dataclass
 
+from ..comm.futures import then
 from ..options import Options, option
 from ..validation import check_dense_from, check_int
 from .base import HookState
@@ -145,7 +146,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     with state.compression_timer():
         if low_precision:
             copy = _Float32Bucket(bucket)
-            fut = torch_powersgd.powerSGD_hook(ts, copy).then(lambda f: buf.copy_(f.value()))
+            fut = then(torch_powersgd.powerSGD_hook(ts, copy), lambda f: buf.copy_(f.value()))
         else:
             fut = torch_powersgd.powerSGD_hook(ts, bucket)
     sent = ts.total_numel_after_compression - before

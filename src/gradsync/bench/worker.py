@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import gc
 import json
 import math
 import statistics
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..comm.agreement import check_config_agreement
+from ..comm.futures import shutdown_process_group
 from ..launch import write_result
 from ..options import AUTO
 from ..profiler.auto import agreed_profile, choose
@@ -429,8 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_bench(cfg)
     finally:
-        gc.collect()  # the DDP wrappers (reference cycles) go before the group they use
-        dist.destroy_process_group()
+        shutdown_process_group()
     if result is not None:
         write_result(argv[1], result)
     return 0

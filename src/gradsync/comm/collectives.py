@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .futures import then
+
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_flat(output [P*n], input [n], group=None, async_op=False)``."""
 
@@ -120,4 +122,4 @@ def dense_allreduce(x: torch.Tensor, group: dist.ProcessGroup | None = None,
     x.div_(dist.get_world_size(group))
     if counter is not None:
         counter(x, kind="allreduce")
-    return dist.all_reduce(x, group=group, async_op=True).get_future().then(lambda _: x)
+    return then(dist.all_reduce(x, group=group, async_op=True).get_future(), lambda _: x)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.collectives import all_gather_flat, collective_device
+from gradsync.comm.futures import then
 from gradsync.compressors.base import Compressor, Ctx, Payload
 
 Counter = Callable[..., None]
@@ -63,7 +64,7 @@ def allreduce_payload(
         futs.append(dist.all_reduce(t, group=group, async_op=True).get_future())
     if not futs:
         return _done([])
-    return torch.futures.collect_all(futs).then(lambda _: tensors)
+    return then(torch.futures.collect_all(futs), lambda _: tensors)
 
 
 def allgather_payload(
@@ -128,7 +129,7 @@ def allgather_payload(
     if counter is not None:
         counter(local, kind="allgather")  # padded contribution: (P-1) * max_bytes on the wire
     work = all_gather_flat(out, local, group=group, async_op=True)
-    return work.get_future().then(lambda _: unpack(out))
+    return then(work.get_future(), lambda _: unpack(out))
 
 
 def communicate(
@@ -163,14 +164,14 @@ def communicate(
             with timer():
                 return compressor.decompress(tuple(fut.value()), ctx)
 
-        return allreduce_payload(payload, group, counter).then(finish_reduce)
+        return then(allreduce_payload(payload, group, counter), finish_reduce)
     if compressor.aggregation == "allgather":
 
         def finish_gather(fut: torch.futures.Future) -> torch.Tensor:
             with timer():
                 return compressor.aggregate(fut.value(), ctx).div_(world)
 
-        return allgather_payload(payload, group, counter, compressor.fixed_size).then(finish_gather)
+        return then(allgather_payload(payload, group, counter, compressor.fixed_size), finish_gather)
     raise ValueError(f"compressor aggregation must be allreduce or allgather, got {compressor.aggregation!r}")
 
 

@@ -35,6 +35,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..comm.futures import then
+
 NAN = float("nan")
 
 
@@ -105,7 +107,7 @@ class FiniteGuard:
         t = self.local_element(torch.float32, device)
         if counter is not None:
             counter(t)
-        return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda _: t)
+        return then(dist.all_reduce(t, group=group, async_op=True).get_future(), lambda _: t)
 
     def track(self, fut: torch.futures.Future) -> torch.futures.Future:
         """Remember a bucket's future (its value: the aggregated bucket, identical on every rank) to
@@ -134,7 +136,7 @@ class FiniteGuard:
             self.conclude(restore, out)
             return out
 
-        return torch.futures.collect_all(futures).then(done)
+        return then(torch.futures.collect_all(futures), done)
 
     def conclude(self, restore: Callable[[Any], None], last: torch.Tensor | None = None) -> bool:
         """Read the iteration's agreed flag (one host sync). If it is not finite: ``restore`` the

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.futures import then
+
 LANES = {"compute": 0, "hook (compression + launch)": 1, "communication": 2}
 
 
@@ -43,7 +45,7 @@ def _traced_hook(tracer: _Tracer, bucket: dist.GradBucket) -> torch.futures.Futu
         tracer.span(f"bucket {index}", "communication", t1, time.time(), numel=numel)
         return f.value()
 
-    return fut.then(done)
+    return then(fut, done)
 
 
 def trace_rank(algorithm: str, model: torch.nn.Module, batches: list, loss_fn: Any, make_optimizer: Any,

@@ -10,7 +10,6 @@ CUDA device (:func:`choose_backend`), so the same command scales from a laptop t
 from __future__ import annotations
 
 import datetime
-import gc
 import os
 import shlex
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..comm.futures import shutdown_process_group
 from ..launch import LocalRanks, RankFailure, local_start_method, run_module_ranks
 from .config import TrainConfig
 
@@ -82,8 +82,7 @@ def _run_rank(rank: int, world: int, local_rank: int, cfg: TrainConfig, launcher
     try:
         result = run(cfg, device)
     finally:
-        gc.collect()  # the model's DDP reducer (in reference cycles) goes before the group it uses
-        dist.destroy_process_group()
+        shutdown_process_group()
     if result is not None:
         result["summary"]["backend"] = f"{backend} ({reason})"
     return result

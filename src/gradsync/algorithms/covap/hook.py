@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collectives import dense_allreduce
+from ...comm.futures import then
 from ...feedback.residual import _is_named
 from .filter import narrow
 from .state import CovapState
@@ -33,7 +34,7 @@ def _timed_dense(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Fu
         timer.completed(ident)
         return f.value()
 
-    return fut.then(done)
+    return then(fut, done)
 
 
 def _completed(buf: torch.Tensor) -> torch.futures.Future:
@@ -150,7 +151,7 @@ def _send(state: CovapState, bucket: dist.GradBucket, send: Optional[torch.Tenso
             buf[where] = received.to(buf.dtype)
         return buf
 
-    return _decide(state, bucket, work.get_future().then(scatter_back), carried=True)
+    return _decide(state, bucket, then(work.get_future(), scatter_back), carried=True)
 
 
 def _decide(state: CovapState, bucket: dist.GradBucket, fut: torch.futures.Future,
