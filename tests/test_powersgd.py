@@ -15,13 +15,13 @@ from small_mlp import backward_step, flat_grad, make_model
 from gradsync.algorithms.powersgd import PowerSGDHookState, powersgd_hook
 
 
-def _grads(rank, world, hook, steps, dense_from=0):
+def _grads(rank, world, hook, steps, dense_from=0, tail_chunk_mb=25.0):
     model = DDP(make_model(), bucket_cap_mb=25)  # one bucket, as gradsync gives PowerSGD on Gloo
     state = None
     if hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     else:
-        state = PowerSGDHookState(2, dense_from=dense_from)
+        state = PowerSGDHookState(2, dense_from=dense_from, tail_chunk_mb=tail_chunk_mb)
         model.register_comm_hook(state, powersgd_hook)
     out, errors = [], []
     for step in range(steps):
@@ -55,3 +55,18 @@ def test_dense_tail_flushes_the_residual_then_equals_torchs_fp16_hook():
 def test_dense_from_before_the_start_up_is_refused(dense_from):
     with pytest.raises(ValueError, match="dense_from"):
         PowerSGDHookState(2, dense_from=dense_from)
+
+
+def test_dense_tail_in_chunks_is_bitwise_torchs_fp16_hook_on_two_ranks():
+    """The tail all-reduces PowerSGD's single bucket in chunks of the job's DDP bucket size; with two
+    ranks each element's sum has two terms, so any chunking gives torch's hook bit for bit."""
+    n = sum(p.numel() for p in make_model().parameters())
+    chunk_mb = (n // 3 + 1) * 4 / 2 ** 20  # three chunks of float32 elements
+    steps, dense_from = 5, 2
+    fp16 = run_ranks(_grads, 2, "fp16", steps)
+    tail = run_ranks(_grads, 2, "powersgd", steps, dense_from, chunk_mb)
+    for r in range(2):
+        for step in range(dense_from, steps):  # no residual yet to flush at iteration 2 (dense start-up)
+            assert torch.equal(tail[r][0][step], fp16[r][0][step])
+    stats = tail[0][2]
+    assert stats["collectives"] == dense_from + 3 * (steps - dense_from)
