@@ -11,9 +11,8 @@ torch's ``fp16_compress_hook`` does it (cast to float16, divided by the world si
 back), in chunks of the job's DDP bucket size launched together, and the first such step adds torch's
 error-feedback residual to the gradient (flushing it), so the end of the schedule runs at fp16
 quality (decided by the iteration counter, identical on every rank). The chunks matter on slow links:
-PowerSGD's single bucket sent as one message lost packets at the emulated 5 Mbit/s link's queue and
-waited for TCP retransmissions (iteration mean 398.7 ms, p90 553.5 ms; in chunks 335.5 and 357.9 ms,
-docs/results.md).
+PowerSGD's single bucket sent as one message overflowed the emulated link's queue and waited for TCP
+retransmissions (docs/results.md, the chunked tail).
 
 Low-precision parameters: torch's hook keeps its error-feedback residual and its factors P, Q in the
 bucket's dtype. For bfloat16/float16 buckets the compressed steps run it on a float32 copy of the
