@@ -254,6 +254,12 @@ EXPERIMENTS = [
                                "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
+    Experiment("sweep-3-hosts", "Results: time to quality at 3 hosts (gradsync sweep)", [
+        Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
+                               "powersgd:matrix_approximation_rank=4:dense_from=467,auto", "--seeds", "0,1,2",
+                               "--hosts", "3", "--bandwidths", "5,15", "--epochs", "2", "--eval-every", "26"],
+            quick=["--seeds", "0", *SWEEP_QUICK]),
+    ], sweep_table, root=True),
     Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
         Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
                                "allreduce,fp16,powersgd:matrix_approximation_rank=4:dense_from=300,auto",
