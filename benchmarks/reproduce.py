@@ -251,7 +251,9 @@ EXPERIMENTS = [
     ], sweep_table, root=True),
     Experiment("sweep-tails", "Results: time to quality of PowerSGD ranks, dense tails and auto (gradsync sweep)", [
         Run("sweep", "sweep", ["--algorithms", TAIL_ENTRIES, "--seeds", "0,1,2,3,4", "--hosts", "2",
-                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
+                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
+                               "--validate-bandwidth", "5,15", "--validate-algorithms",
+                               "powersgd:matrix_approximation_rank=4:dense_from=700", "--validate-seeds", "0"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
     Experiment("sweep-3-hosts", "Results: time to quality at 3 hosts (gradsync sweep)", [
