@@ -5,7 +5,8 @@ thread, which runs the callback and then releases it, both under the GIL):
 
 * ``release``: the callback holds an object that takes 50 ms to be released; the script waits for the
   callback's result and ends while the worker thread is still releasing the callback;
-* ``running``: the callback takes 300 ms and the script ends without waiting for it.
+* ``running``: the callback takes 300 ms and the script ends without waiting for it (or for the
+  all-reduce, which may still be in flight when the script ends).
 
 With torch's ``Future.then`` the worker thread meets the finalizing interpreter and the rank dies
 (SIGABRT, "terminate called without an active exception", or "Fatal Python error"), as ``examples/torchrun_covap.py`` did in
@@ -69,10 +70,12 @@ def _run(tmp_path: Path, mode: str, scenario: str) -> subprocess.CompletedProces
 
 @pytest.mark.parametrize("scenario", ["release", "running"])
 def test_a_callback_the_worker_thread_still_holds_at_exit_does_not_abort_the_rank(tmp_path, scenario):
-    plain = _run(tmp_path, "torch", scenario)
-    # the scenario is real: with torch's own then() the rank is lost after the script's last line
-    assert "END OF SCRIPT" in plain.stdout, plain.stderr
-    assert plain.returncode != 0, "torch's Future.then no longer aborts here: the race is gone upstream"
+    if scenario == "running":
+        # the scenario is real: with torch's own then() the rank is lost after the script's last line (the
+        # "release" one lost it in 14 of 15 runs, so it is not asserted: a fast exit can outrun the worker)
+        plain = _run(tmp_path, "torch", scenario)
+        assert "END OF SCRIPT" in plain.stdout, plain.stderr
+        assert plain.returncode != 0, "torch's Future.then no longer aborts here: the race is gone upstream"
     ours = _run(tmp_path, "gradsync", scenario)
     assert ours.returncode == 0, ours.stdout + ours.stderr
     assert "END OF SCRIPT" in ours.stdout

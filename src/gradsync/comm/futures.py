@@ -17,7 +17,8 @@ wrapper, and since the callback (with whatever it captured) is still held here, 
 only the wrapper and never runs code that could let go of the GIL half-way; the callback is dropped
 later, on the thread that calls :func:`then` or :func:`drain`. :func:`drain` (an ``atexit``
 handler, registered on first use, and called by :func:`shutdown_process_group`) waits, with the GIL
-released, until every callback whose collective completed has been released.
+released, until every tracked callback has run and been released (collectives still in flight at
+exit included, at most :data:`DRAIN_TIMEOUT_S` seconds).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 #: are forgotten rather than accumulated.
 MAX_TRACKED = 4096
 
-#: Seconds :func:`drain` waits at most for callbacks of completed collectives to be released.
+#: Seconds :func:`drain` waits at most for tracked callbacks to run and be released (a collective
+#: that never completes, e.g. after a failed peer, delays the exit by this much, not forever).
 DRAIN_TIMEOUT_S = 5.0
 
 #: Seconds :func:`drain` then leaves the GIL free for callbacks it cannot see: those that torch's own
@@ -93,15 +95,15 @@ def drain_at_exit() -> None:
 
 
 def drain(timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-    """Wait, with the GIL released, until every tracked callback whose collective completed has been
-    released by its worker thread, at most ``timeout_s`` seconds; then leave the GIL free for
-    :data:`SETTLE_S` seconds. Collectives still in flight are not waited for (a rank leaving on an
-    error must not hang here). Safe to call several times and from any thread."""
+    """Wait, with the GIL released, until every tracked callback has run and been released by its
+    worker thread (a collective still in flight at exit completes, and its callback runs, before
+    the interpreter finalizes), at most ``timeout_s`` seconds in all; then leave the GIL free for
+    :data:`SETTLE_S` seconds. Safe to call several times and from any thread."""
     deadline = time.monotonic() + timeout_s
     with _lock:
         tracked = list(_callbacks)
-    for src, ref, _ in tracked:
-        while src.done() and ref() is not None and time.monotonic() < deadline:
+    for _, ref, _ in tracked:
+        while ref() is not None and time.monotonic() < deadline:
             time.sleep(0.0005)
     del tracked
     _prune()
