@@ -176,6 +176,18 @@ SWEEP_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=2,covap:rati
 TAIL_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
                 "powersgd:matrix_approximation_rank=16,powersgd:matrix_approximation_rank=4:dense_from=700,"
                 "powersgd:matrix_approximation_rank=4:dense_from=800,auto")
+
+
+def _fmnist_grid(entries: str, validate: str) -> Run:
+    """The 5-seed fashion-mnist sweep on 2 hosts at 5, 15 and 40 Mbit/s, with full shaped runs of
+    ``validate`` (seed 0) at 5 and 15 Mbit/s checking its prediction."""
+    return Run("sweep", "sweep", ["--algorithms", entries, "--seeds", "0,1,2,3,4", "--hosts", "2",
+                                  "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
+                                  "--validate-bandwidth", "5,15", "--validate-algorithms", validate,
+                                  "--validate-seeds", "0"],
+               quick=["--seeds", "0", *SWEEP_QUICK])
+
+
 # the transformer with AdamW (before --algorithm ...)
 ADAMW = ["--workload", "kjv-transformer", "--workers", "3", "--max-steps", "150"]
 
@@ -243,18 +255,10 @@ EXPERIMENTS = [
             quick=["--reps", "2", "--numel", "20000"]),
     ], script_table),
     Experiment("sweep-fmnist", "Results: time to quality, MLPerf-style, predicted per network (gradsync sweep)", [
-        Run("sweep", "sweep", ["--algorithms", SWEEP_ENTRIES, "--seeds", "0,1,2,3,4", "--hosts", "2",
-                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
-                               "--validate-bandwidth", "5,15", "--validate-algorithms",
-                               "powersgd:matrix_approximation_rank=2", "--validate-seeds", "0"],
-            quick=["--seeds", "0", *SWEEP_QUICK]),
+        _fmnist_grid(SWEEP_ENTRIES, validate="powersgd:matrix_approximation_rank=2"),
     ], sweep_table, root=True),
     Experiment("sweep-tails", "Results: time to quality of PowerSGD ranks, dense tails and auto (gradsync sweep)", [
-        Run("sweep", "sweep", ["--algorithms", TAIL_ENTRIES, "--seeds", "0,1,2,3,4", "--hosts", "2",
-                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39",
-                               "--validate-bandwidth", "5,15", "--validate-algorithms",
-                               "powersgd:matrix_approximation_rank=4:dense_from=700", "--validate-seeds", "0"],
-            quick=["--seeds", "0", *SWEEP_QUICK]),
+        _fmnist_grid(TAIL_ENTRIES, validate="powersgd:matrix_approximation_rank=4:dense_from=700"),
     ], sweep_table, root=True),
     Experiment("sweep-3-hosts", "Results: time to quality at 3 hosts (gradsync sweep)", [
         Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
