@@ -31,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from dataclasses import dataclass
 
 from ..comm.futures import then
+from ..comm.sparse import allreduce_payload
 from ..options import Options, option
 from ..validation import check_dense_from, check_float, check_int
 from .base import HookState
@@ -176,22 +177,14 @@ def _dense_tail(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futu
         state.finite_guard.begin(state.iteration, state._snapshot)
         ts.error_dict = {k: v for k, v in ts.error_dict.items() if k != bucket.index()}
         buf.add_(error.to(buf.dtype))
+    # torch's fp16_compress_hook arithmetic (cast to float16, divide, sum), the float16 copy sent in
+    # chunks of the job's bucket size, all launched at once; with 2 ranks bitwise torch's hook
     chunk = max(1, int(state.tail_chunk_mb * 2 ** 20) // buf.element_size())
-    fut = fp16_allreduce_chunks(buf, state.process_group, chunk)
-    state.count_payload(buf.numel() * 2, "allreduce", collectives=-(-buf.numel() // chunk))
+    summed = allreduce_payload(tuple(buf.to(torch.float16).split(chunk)), state.process_group,
+                               state.count_collective)
+    fut = then(summed, lambda f: buf.copy_(torch.cat(f.value())))
     state.end_bucket(bucket)
     return state.guarded(bucket, fut) if error is not None else fut
-
-
-def fp16_allreduce_chunks(buf: torch.Tensor, group: Any, chunk: int) -> torch.futures.Future:
-    """torch's ``fp16_compress_hook`` arithmetic on ``buf`` (``[numel]``, float32/bfloat16/float16):
-    cast to float16, divide by the world size, all-reduce (SUM), copy back into ``buf``; the float16
-    copy is all-reduced in pieces of ``chunk`` elements, all launched at once. Returns a future of
-    ``buf``. One chunk is bitwise torch's hook; with 2 ranks any chunking is (a sum of two terms)."""
-    half = buf.to(torch.float16).div_(dist.get_world_size(group))
-    works = [dist.all_reduce(piece, group=group, async_op=True) for piece in half.split(chunk)]
-    done = torch.futures.collect_all([w.get_future() for w in works])
-    return then(done, lambda _: buf.copy_(half))
 
 
 SPEC = hook_algorithm(
