@@ -45,7 +45,7 @@ DRAIN_TIMEOUT_S = 5.0
 SETTLE_S = 0.02
 
 _lock = threading.Lock()
-_callbacks: collections.deque = collections.deque()  # (source future, weakref to the wrapper, callback)
+_callbacks: collections.deque = collections.deque()  # (weakref to the wrapper, callback)
 _registered = False
 
 
@@ -67,7 +67,7 @@ def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -
     drain_at_exit()
     child = fut.then(call)
     with _lock:
-        _callbacks.append((fut, weakref.ref(call), fn))
+        _callbacks.append((weakref.ref(call), fn))
     _prune()
     return child
 
@@ -77,7 +77,7 @@ def _prune() -> None:
     :data:`MAX_TRACKED`); they are freed here, outside the lock, on the calling thread."""
     released = []
     with _lock:
-        while _callbacks and (_callbacks[0][1]() is None or len(_callbacks) > MAX_TRACKED):
+        while _callbacks and (_callbacks[0][0]() is None or len(_callbacks) > MAX_TRACKED):
             released.append(_callbacks.popleft())
     del released
 
@@ -102,7 +102,7 @@ def drain(timeout_s: float = DRAIN_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     with _lock:
         tracked = list(_callbacks)
-    for _, ref, _ in tracked:
+    for ref, _ in tracked:
         while ref() is not None and time.monotonic() < deadline:
             time.sleep(0.0005)
     del tracked
