@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm.futures import then
+from ..comm.futures import shutdown_process_group, then
 
 LANES = {"compute": 0, "hook (compression + launch)": 1, "communication": 2}
 
@@ -114,7 +114,7 @@ def _trace_worker(index: int, world: int, port: int, spec: dict[str, Any], out_d
                             iterations=spec["iterations"], **spec["options"])
         Path(out_dir, f"rank{index}.json").write_text(json.dumps(events))
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def run_trace(path: str | Path, algorithm: str, model: str, workers: int = 2, batch_size: int = 64,
