@@ -111,10 +111,19 @@ def test_workload_with_model_and_defaults():
     assert w.model == "resnet18" and w.defaults == base.defaults and w.optimizer == "sgd"
     torch.manual_seed(0)
     assert w.make_model()(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    wide = get_workload("fashion-mnist", "resnet8-w32")  # gradsync's own model, not torchvision's
+    assert wide.model == "resnet8-w32" and wide.defaults == base.defaults and wide.optimizer == "sgd"
+    net = wide.make_model()
+    assert isinstance(net, type(base.make_model())) and net.stem[0].out_channels == 32
+    r = wide.describe()
+    assert (r["parameters"], r["gradient_bytes"]) == (308_074, 1_232_296)
+    import gradsync.workloads as pkg
+
+    assert "308,074" in pkg.__doc__ and "1,232,296" in pkg.__doc__
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
-    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet18"):
+    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")
