@@ -8,6 +8,7 @@ below 2e-3 on every step; the residual holds the cast's rounding error exactly (
 on the same values). Timings are injected (a CommTimer subclass), never measured against a bound.
 """
 
+import logging
 import pickle
 
 import pytest
@@ -203,11 +204,33 @@ def test_hysteresis_band():
 
 def test_max_ratio_caps_auto_and_adaptation():
     st = CovapState(ratio="auto", adapt_every=5, max_ratio=4)
-    assert st.filter.calibrate(6.87) == {"ccr": 6.87, "ratio": 4}
+    assert st.filter.calibrate(6.87) == {"ccr": 6.87, "ratio": 4, "ccr_ratio": 7}
     assert st.adapter.decide(4, 1e9) == 4 and st.adapter.decide(4, 2.2) == 3
     assert st.config()["max_ratio"] == 4
-    assert CovapState(ratio="auto").filter.calibrate(6.87)["ratio"] == 7  # default: COVAP's ceil(CCR) up to 32
+    assert CovapState(ratio="auto", max_ratio=32).filter.calibrate(6.87) == {"ccr": 6.87, "ratio": 7}  # COVAP's rule
     assert make_options("covap", {"ratio": "auto", "max_ratio": 2}).max_ratio == 2
+
+
+def test_auto_is_capped_at_two_unless_max_ratio_is_given(caplog):
+    """K >= 3 missed dense quality - 0.5 on every seed of the grid, so ``auto`` stops at K = 2 by default
+    and says what COVAP's own rule would have chosen; a fixed K keeps COVAP's limit of 32."""
+    from gradsync.algorithms.dear.covap import CovapGradFilter
+    from gradsync.compressors.covap_shards import AUTO_MAX_RATIO
+
+    assert AUTO_MAX_RATIO == 2
+    st = CovapState(ratio="auto")
+    assert st.filter.max_ratio == 2 and st.adapter.max_ratio == 2 and st.config()["max_ratio"] == 2
+    with caplog.at_level(logging.INFO, logger="gradsync.algorithms.covap.filter"):
+        assert st.filter.calibrate(6.87) == {"ccr": 6.87, "ratio": 2, "ccr_ratio": 7}
+    assert "CCR 6.87 calls for K = 7" in caplog.text and "max_ratio=32 lifts the cap" in caplog.text
+    assert st.adapter.decide(2, 1e9) == 2  # adaptation stays under the cap too
+    assert CovapState(ratio="auto").filter.calibrate(1.5) == {"ccr": 1.5, "ratio": 2}  # not capped: no ccr_ratio
+    assert CovapState(ratio="auto").filter.calibrate(0.4)["ratio"] == 1
+    assert CovapState(ratio=8).filter.max_ratio == 32 and CovapState(ratio=8, adapt_every=5).adapter.max_ratio == 32
+    assert CovapGradFilter("auto").filter.max_ratio == 2 and CovapGradFilter(8).filter.max_ratio == 32
+    assert make_options("covap", {"ratio": "auto"}).max_ratio is None  # resolved by the state, as above
+    with pytest.raises(ValueError, match="ratio"):
+        CovapState(ratio=4, max_ratio=2)  # an explicit cap still binds a fixed K
 
 
 def cast_run(rank, world, cast, steps):

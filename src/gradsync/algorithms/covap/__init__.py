@@ -21,7 +21,9 @@ so every rank selects the same elements and a plain all-reduce still works.
   as the schedule of a :class:`~gradsync.feedback.residual.ResidualMemory`); the selected shard of ``x``
   is all-reduced (averaged), everything unsent stays in ``e``. Unsent positions have zero gradient this
   step; momentum and weight decay still apply (a deliberate choice, as in the reference code).
-* K from the CCR: with ``ratio="auto"`` K = ceil(CCR) in [1, ``max_ratio``]. ``gradsync train`` and
+* K from the CCR: with ``ratio="auto"`` K = ceil(CCR) in [1, ``max_ratio``]; ``max_ratio`` defaults
+  to 2 there (:data:`~gradsync.compressors.covap_shards.AUTO_MAX_RATIO`; not in the paper): a K that
+  hides the communication cost dense quality on every seed measured, so time to quality favours K <= 2. ``gradsync train`` and
   ``bench`` measure the communication-to-computation ratio before training and call
   :meth:`CovapFilter.calibrate`; wherever else the hook runs (``build_hook``, ``gradsync.wrap``, the
   integrations) it calibrates itself from its own first iterations: it times the backward pass and
@@ -75,14 +77,17 @@ class CovapOptions(Options):
 
     OWNER = "covap"
     ratio: Union[int, str] = option(3, "COVAP compression ratio K: each gradient element is sent once every "
-                                    "K iterations; 'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
+                                    "K iterations; 'auto' sets K = ceil(measured CCR), at most max_ratio",
+                                    low=1, high=MAX_RATIO)
     adapt_every: Optional[int] = option(None, "re-choose K from the hook's own timing of its collectives every "
                                         "this many steps (0: K fixed; default 20 with ratio 'auto', else 0)",
                                         low=0, high=1_000_000, units="steps")
     cast: Optional[str] = option(None, "send the selected shard as fp16 or bf16 (rounding error kept in the "
                                  "error-feedback residual); default: the bucket's dtype", choices=CASTS)
-    max_ratio: int = option(MAX_RATIO, "largest K that 'auto' and adapt_every may choose (a large K hides the "
-                            "communication but costs accuracy per step)", low=1, high=MAX_RATIO)
+    max_ratio: Optional[int] = option(None, "largest K that 'auto' and adapt_every may choose (a large K hides "
+                                      "the communication but costs accuracy per step); default 2 with ratio "
+                                      "'auto' (K >= 3 missed dense quality on every seed measured), else 32",
+                                      low=1, high=MAX_RATIO)
     dense_from: int = option(0, "from this iteration on K = 1: every element is sent each step (with cast, "
                              "torch's fp16/bf16 hook) and the residual is flushed into it, so the end of "
                              "training runs at dense quality; 0: never", low=0, high=100_000_000,

@@ -6,15 +6,18 @@ the DDP hook (:mod:`.hook`) and DeAR's pipeline (:mod:`gradsync.algorithms.dear.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ...compressors.covap_shards import MAX_RATIO, CovapPlan, ratio_for_ccr
+from ...compressors.covap_shards import AUTO_MAX_RATIO, MAX_RATIO, CovapPlan, ratio_for_ccr
 from ...feedback.discounted import CovapDiscount, default_ramp
 from ...feedback.residual import ResidualMemory
 from ...options import AUTO
 from ...validation import check_float, check_int
+
+log = logging.getLogger(__name__)
 
 
 class CovapFilter:
@@ -22,10 +25,12 @@ class CovapFilter:
 
     Args:
         ratio: K in [1, 32] (1 reproduces dense all-reduce), or ``"auto"``: K = 1 until
-            :meth:`calibrate` receives the CCR.
+            :meth:`calibrate` receives the CCR, then K = ceil(CCR) in [1, ``max_ratio``].
         lam0, ramp_steps: discount constants; ``None`` takes the reference values for K
             (``lam0=0.5, D=50`` for K <= 8, else ``0.2, 100``).
-        max_ratio: largest K :meth:`calibrate` may choose, in [1, 32] (default 32).
+        max_ratio: largest K :meth:`calibrate` may choose, in [1, 32]; ``None`` (default):
+            :data:`~gradsync.compressors.covap_shards.AUTO_MAX_RATIO` (2) with ``"auto"``, whose
+            larger K cost dense quality on every seed measured, else 32 (COVAP's limit).
 
     Raises:
         ValueError: for arguments outside those ranges, or a fixed ``ratio`` above ``max_ratio``.
@@ -34,8 +39,10 @@ class CovapFilter:
     max_ratio = MAX_RATIO  # for filters pickled before the option existed
 
     def __init__(self, ratio: Union[int, str] = 3, lam0: Optional[float] = None,
-                 ramp_steps: Optional[int] = None, max_ratio: int = MAX_RATIO):
+                 ramp_steps: Optional[int] = None, max_ratio: Optional[int] = None):
         self.auto = ratio == AUTO
+        if max_ratio is None:
+            max_ratio = AUTO_MAX_RATIO if self.auto else MAX_RATIO
         self.max_ratio = check_int("max_ratio", max_ratio, 1, MAX_RATIO)
         self.ratio = 1 if self.auto else check_int("ratio", ratio, 1, self.max_ratio)
         self.calibrated = False
@@ -61,10 +68,18 @@ class CovapFilter:
 
     def calibrate(self, ccr: float) -> dict[str, Any]:
         """Set K = ceil(``ccr``) in [1, ``max_ratio``] (``ccr`` must be identical on every rank, e.g.
-        all-reduced MAX). Returns ``{"ccr": ccr, "ratio": K}``."""
+        all-reduced MAX). Returns ``{"ccr": ccr, "ratio": K}``, plus ``"ccr_ratio"``: ceil(``ccr``)
+        where ``max_ratio`` lowered it."""
         self.set_ratio(ratio_for_ccr(ccr, self.max_ratio))
         self.calibrated = True
-        return {"ccr": float(ccr), "ratio": self.ratio}
+        out = {"ccr": float(ccr), "ratio": self.ratio}
+        uncapped = ratio_for_ccr(ccr, MAX_RATIO)
+        if uncapped > self.ratio:
+            out["ccr_ratio"] = uncapped
+            log.info("COVAP ratio=auto: CCR %.2f calls for K = %d to hide the communication; K = %d (max_ratio): "
+                     "a larger K costs accuracy per step (max_ratio=%d lifts the cap)", ccr, uncapped, self.ratio,
+                     MAX_RATIO)
+        return out
 
     def set_ratio(self, ratio: int, keep_discount: bool = False) -> None:
         """Change K (every rank must pass the same value, between iterations); the plan is rebuilt for

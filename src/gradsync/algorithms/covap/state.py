@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from ...compressors.cast import cast_dtype
-from ...compressors.covap_shards import MAX_RATIO
 from ...feedback.residual import bucket_layout, layout_numels, parameter_names
 from ...validation import check_dense_from, check_int
 from ..base import HookState
@@ -52,8 +51,10 @@ class CovapState(HookState):
             dtype, as torch's ``fp16_compress_hook``; the rounding error of the cast stays in the
             error-feedback residual.
         hysteresis: relative band of :class:`~gradsync.algorithms.covap.adapt.RatioAdapter`, in [0, 1).
-        max_ratio: largest K that ``"auto"`` and ``adapt_every`` may choose, in [1, 32] (default 32,
-            COVAP's limit); a fixed ``ratio`` must not exceed it.
+        max_ratio: largest K that ``"auto"`` and ``adapt_every`` may choose, in [1, 32]; a fixed
+            ``ratio`` must not exceed it. ``None`` (default): 2 with ``"auto"``
+            (:data:`~gradsync.compressors.covap_shards.AUTO_MAX_RATIO`: a larger K missed dense
+            quality on every seed measured), else 32 (COVAP's limit).
         dense_from: from this iteration on K = 1 (every element sent each step, the residual flushed
             into the first such step; ``adapt_every`` and ``"auto"`` no longer change K); 0 (default):
             never. Must be 0 or >= ``start_iter``.
@@ -93,7 +94,7 @@ class CovapState(HookState):
                  start_iter: int = 2, lam0: Optional[float] = None, ramp_steps: Optional[int] = None,
                  model: Optional[torch.nn.Module] = None, adapt_every: Optional[int] = None,
                  cast: Optional[str] = None, hysteresis: float = 0.25, timer: Any = None,
-                 max_ratio: int = MAX_RATIO, dense_from: int = 0):
+                 max_ratio: Optional[int] = None, dense_from: int = 0):
         super().__init__(process_group)
         self.filter = CovapFilter(ratio, lam0, ramp_steps, max_ratio)
         self.start_iter = check_int("start_iter", start_iter, 2)

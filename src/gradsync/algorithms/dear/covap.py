@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from ...compressors.cast import cast_dtype
-from ...compressors.covap_shards import MAX_RATIO
 from ...feedback.finite import FiniteGuard
 from ..covap import CovapFilter
 from ..protocol import Algorithm
@@ -36,7 +35,8 @@ class CovapGradFilter(Algorithm):
 
     Args:
         ratio: K in [1, 32] (1 = no compression) or ``"auto"`` (K from :meth:`calibrate`).
-        max_ratio: largest K ``"auto"`` may choose, in [1, 32].
+        max_ratio: largest K ``"auto"`` may choose, in [1, 32]; ``None`` (default): 2 with
+            ``"auto"``, else 32 (as :class:`~gradsync.algorithms.covap.CovapFilter`).
         cast: ``"fp16"``, ``"bf16"`` or ``None`` (default: the parameters' dtype): the selected
             values are reduce-scattered and all-gathered in that dtype (half the bytes of float32);
             the rounding error of the cast stays in the error-feedback residual, as with
@@ -47,7 +47,7 @@ class CovapGradFilter(Algorithm):
             or ``cast`` not one of fp16, bf16, None.
     """
 
-    def __init__(self, ratio: int | str = 3, max_ratio: int = MAX_RATIO, cast: str | None = None):
+    def __init__(self, ratio: int | str = 3, max_ratio: int | None = None, cast: str | None = None):
         self.filter = CovapFilter(ratio, max_ratio=max_ratio)
         self.cast_dtype = cast_dtype(cast)
         self.cast = cast

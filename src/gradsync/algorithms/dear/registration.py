@@ -35,8 +35,10 @@ class DearCovapOptions(DearOptions):
 
     OWNER = "dear-covap"
     ratio: int | str = option(3, "COVAP compression ratio K: each gradient element is sent once every K iterations; "
-                              "'auto' sets K = ceil(measured CCR)", low=1, high=MAX_RATIO)
-    max_ratio: int = option(MAX_RATIO, "largest K that 'auto' may choose", low=1, high=MAX_RATIO)
+                              "'auto' sets K = ceil(measured CCR), at most max_ratio", low=1, high=MAX_RATIO)
+    max_ratio: Optional[int] = option(None, "largest K that 'auto' may choose; default 2 with ratio 'auto' "
+                                      "(K >= 3 missed dense quality on every seed measured), else 32",
+                                      low=1, high=MAX_RATIO)
     cast: Optional[str] = option(None, "reduce-scatter and all-gather the selected shards as fp16 or bf16 "
                                  "(rounding error kept in the error-feedback residual); default: the parameters' "
                                  "dtype", choices=CASTS)
