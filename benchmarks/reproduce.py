@@ -268,7 +268,7 @@ EXPERIMENTS = [
     ], sweep_table, root=True),
     Experiment("sweep-wide-cnn", "Results: time to quality on the larger CNN (ResNet-8 at width 32; gradsync sweep)", [
         Run("sweep", "sweep", ["--model", "resnet8-w32", "--algorithms",
-                               "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
+                               "allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
                                "powersgd:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2",
                                "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"],
             quick=["--seeds", "0", "--model", "resnet8-w32", *SWEEP_QUICK]),
