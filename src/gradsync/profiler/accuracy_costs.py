@@ -73,6 +73,10 @@ _TAIL_GRID = ("docs/results.md, 'Time to quality: PowerSGD ranks, dense tails an
               "'Time to quality with a dense tail'); steps: olympic mean over 5 seeds")
 #: dense all-reduce's olympic-mean steps to the target in the dense-tail grid (seeds: 897, 780, 780, 819, 819)
 _TAIL_DENSE_STEPS = 806
+_BF16_GRID = ("docs/results.md, 'The bf16 hook under the recipe (gradsync sweep)': gradsync sweep --algorithms "
+              "allreduce,fp16,bf16 --seeds 0,1,2,3,4 --hosts 2 --bandwidths 5,15,40 --epochs 2 --eval-every 39 "
+              "--out runs/grid-bf16 (allreduce and fp16 reused from runs/grid: the same target); steps: olympic "
+              "mean over 5 seeds")
 
 
 _KJV = "kjv-transformer, char-transformer (845k parameters), AdamW"
@@ -93,8 +97,8 @@ def _grid(entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
                         budget_steps=_BUDGET)
 
 
-def _tail_grid(entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
-    return AccuracyCost(entry, steps, _TAIL_DENSE_STEPS, 2, 5, _FMNIST, _TAIL_TARGET, _TAIL_GRID,
+def _tail_grid(entry: str, steps: int, not_reached: bool = False, source: str = _TAIL_GRID) -> AccuracyCost:
+    return AccuracyCost(entry, steps, _TAIL_DENSE_STEPS, 2, 5, _FMNIST, _TAIL_TARGET, source,
                         not_reached=not_reached, budget_steps=_BUDGET)
 
 
@@ -106,6 +110,7 @@ def _tail_grid(entry: str, steps: int, not_reached: bool = False) -> AccuracyCos
 #: the dense-tail grid (this machine) replace the first grid's where both measured a setting.
 MEASURED_COSTS: tuple[AccuracyCost, ...] = (
     _tail_grid("fp16", 832),                                                   # 858/780/819/858/819
+    _tail_grid("bf16", 806, source=_BF16_GRID),                                # 858/780/780/819/819
     _tail_grid("powersgd:matrix_approximation_rank=4", 936, not_reached=True),  # reached on 3 of 5 seeds
     _tail_grid("powersgd:matrix_approximation_rank=8", 858),                    # 858/858/858/-/819
     _tail_grid("powersgd:matrix_approximation_rank=16", 858),                   # 858/858/858/858/819
