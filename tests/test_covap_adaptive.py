@@ -183,7 +183,7 @@ def test_comm_timer_measures_the_hooks_own_collectives():
         assert len(timings) == 10 and all(t is not None for t in timings)
         for t in timings:
             assert t.dense_elements == dense
-            assert 0 <= t.sent_elements < dense
+            assert 0 <= t.sent_elements <= dense  # = dense once the adapter chose K = 1 (a loaded CPU's CCR)
             assert t.backward_s > 0 and t.exposed_s >= 0
             assert (t.comm_s > 0) == (t.sent_elements > 0)
         assert sum(t.sent_elements for t in timings[:3]) == pytest.approx(dense, rel=0.15)  # K = 3
