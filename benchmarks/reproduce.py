@@ -266,6 +266,11 @@ EXPERIMENTS = [
                                "--hosts", "3", "--bandwidths", "5,15", "--epochs", "2", "--eval-every", "26"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
+    Experiment("sweep-bf16", "Results: the bf16 hook under the recipe (gradsync sweep)", [
+        Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,bf16", "--seeds", "0,1,2,3,4", "--hosts", "2",
+                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
+            quick=["--seeds", "0", *SWEEP_QUICK]),
+    ], sweep_table, root=True),
     Experiment("sweep-wide-cnn", "Results: time to quality on the larger CNN (ResNet-8 at width 32; gradsync sweep)", [
         Run("sweep", "sweep", ["--model", "resnet8-w32", "--algorithms",
                                "allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
