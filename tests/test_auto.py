@@ -86,6 +86,39 @@ def test_auto_offers_a_measured_dense_tail_scaled_to_the_job_budget():
         tail_candidates(costs, 0)
 
 
+def test_a_models_own_accuracy_costs_replace_another_models():
+    """PowerSGD r=4's cost measured on one model does not carry to another: a job whose model has rows
+    is advised from those alone; one without any from every row."""
+    from gradsync.profiler.accuracy_costs import MEASURED_COSTS, rows_for_model
+
+    small = [dataclasses.replace(_cost("fp16", 200), model="w:small"),
+             dataclasses.replace(_cost("powersgd:matrix_approximation_rank=4", 200), model="w:small")]
+    wide = [dataclasses.replace(_cost("fp16", 200), model="w:wide"),
+            dataclasses.replace(_cost("powersgd:matrix_approximation_rank=4", 250), model="w:wide", not_reached=True)]
+    costs = small + wide
+    assert rows_for_model(costs, "w:wide") == wide and rows_for_model(costs, "w:other") == costs
+    assert rows_for_model(costs, None) == costs
+    slow = 0.30
+    assert choose(PROFILE, 2, slow, "sgd", costs, model_key="w:small").choice.entry == \
+        "powersgd:matrix_approximation_rank=4"
+    wide_pick = choose(PROFILE, 2, slow, "sgd", costs, model_key="w:wide")
+    assert wide_pick.choice.entry == "fp16"
+    r4 = next(r for r in wide_pick.predictions if r.entry == "powersgd:matrix_approximation_rank=4")
+    assert r4.cost.startswith("missed the target")
+    # the published rows: the wider ResNet-8 has its own, and its r=4 rows missed the target there
+    own = rows_for_model(MEASURED_COSTS, "fashion-mnist:resnet8-w32")
+    assert own and all(c.model == "fashion-mnist:resnet8-w32" for c in own)
+    assert {c.entry for c in own if c.not_reached} == {"powersgd:matrix_approximation_rank=4",
+                                                       "powersgd:matrix_approximation_rank=4:dense_from=700"}
+    # the keys train and bench (Workload.key) and doctor (its --model) pass
+    from gradsync.profiler.profile import workload_key
+    from gradsync.workloads import get_workload
+
+    assert get_workload("fashion-mnist", "resnet8-w32").key == workload_key("fashion-mnist:resnet8-w32") == \
+        "fashion-mnist:resnet8-w32"
+    assert workload_key("fashion-mnist") == "fashion-mnist:resnet8" and workload_key("resnet18") is None
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"algorithm": "auto", "options": {"ratio": 2}}, "ratio"),
     ({"algorithm": "auto", "resume": "runs/x"}, "resume"),

@@ -548,6 +548,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from .profiler.advise import advise, train_command
+    from .profiler.profile import workload_key
     from .validation import check_float, check_int
 
     check_float("--bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
@@ -557,7 +558,7 @@ def _doctor(args: argparse.Namespace) -> int:
     budget = None if args.budget_steps is None else check_int("--budget-steps", args.budget_steps, 1)
     prof = _measure_profile(args).scale_compute(scale)
     advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6, budget_steps=budget,
-                    optimizer=args.optimizer)
+                    optimizer=args.optimizer, model_key=workload_key(args.model))
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "

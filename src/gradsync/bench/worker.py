@@ -143,7 +143,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     if AUTO in cfg.algorithms:  # the choice from this run's profile and network (every rank the same)
         agreed, allreduce_s = agreed_profile(profile, ccr.allreduce_s)
         advice = choose(agreed, world, allreduce_s, workload.optimizer,
-                        budget_steps=budget_steps(cfg, train_x.shape[0], world))
+                        budget_steps=budget_steps(cfg, train_x.shape[0], world), model_key=workload.key)
         chosen[AUTO] = {"entry": advice.choice.entry, "reason": advice.reason}
         if rank == 0:
             print(f"auto: {advice.choice.entry}: {advice.reason}", flush=True)

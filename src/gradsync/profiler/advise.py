@@ -37,7 +37,7 @@ from ..sim.engine import simulate
 from ..sim.plans import AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16Plan, PowerSGDPlan, TopKPlan
 from ..sim.profile import Profile, ProfileBucket, load_profile
 from ..validation import check_float, check_int
-from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost
+from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost, rows_for_model
 from .profile import ccr_at
 
 __all__ = ["Advice", "Prediction", "advise", "candidates", "tail_candidates", "train_command", "CASTS", "LOW_CCR",
@@ -200,7 +200,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
            costs: Sequence[AccuracyCost] = MEASURED_COSTS, latency_s: float = 0.0,
            overlap_efficiency: float = 1.0, assume_casts: bool = True,
            allowed: Callable[[str], bool] = lambda entry: True, budget_steps: int | None = None,
-           optimizer: str | None = None) -> Advice:
+           optimizer: str | None = None, model_key: str | None = None) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -221,6 +221,9 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
             measured settings with a dense tail are candidates too (:func:`tail_candidates`).
         optimizer: the job's optimizer family (``"sgd"``, ``"adamw"``): only ``costs`` measured with it
             count; None: every row.
+        model_key: the job as ``workload:model`` (``fashion-mnist:resnet8-w32``): where ``costs`` has
+            rows of that model, only those count (:func:`~gradsync.profiler.accuracy_costs.rows_for_model`);
+            None: every row.
 
     Returns:
         :class:`Advice`.
@@ -232,6 +235,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
     prof = load_profile(profile)
     if optimizer is not None:
         costs = [c for c in costs if c.optimizer == optimizer]
+    costs = rows_for_model(costs, model_key)
     world_size = check_int("world_size", world_size, 2)
     bandwidth_mbit = check_float("bandwidth_mbit", bandwidth_mbit, 0.0, 1e9, low_inclusive=False)
     net = Network.from_mbit(bandwidth_mbit, latency_s)

@@ -63,25 +63,27 @@ def effective_bandwidth_mbit(prof: Profile, world_size: int, allreduce_s: float)
 
 def choose(prof: Profile, world_size: int, allreduce_s: float, optimizer: str,
            costs: Sequence[AccuracyCost] = MEASURED_COSTS, allowed: Callable[[str], bool] = lambda entry: True,
-           budget_steps: int | None = None) -> Advice:
+           budget_steps: int | None = None, model_key: str | None = None) -> Advice:
     """The auto choice (pure: no collectives) for profile ``prof`` (seconds) on ``world_size`` ranks whose
     dense all-reduce of the buckets took ``allreduce_s`` seconds, for optimizer family ``optimizer``
     (``"sgd"`` or ``"adamw"``); ``allowed(entry)`` restricts the candidates (e.g. hooks only);
-    ``budget_steps`` (the job's iterations; None: unknown) admits the settings with a dense tail.
+    ``budget_steps`` (the job's iterations; None: unknown) admits the settings with a dense tail;
+    ``model_key`` (``workload:model``) prefers the accuracy costs measured on that model.
 
     Raises:
         ValueError: for ``world_size`` < 2, ``allreduce_s`` <= 0 or ``budget_steps`` < 1.
     """
     bandwidth = effective_bandwidth_mbit(prof, world_size, allreduce_s)
     return advise(prof, world_size, bandwidth, costs=costs, assume_casts=False, allowed=allowed,
-                  budget_steps=budget_steps, optimizer=optimizer)
+                  budget_steps=budget_steps, optimizer=optimizer, model_key=model_key)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  make_optimizer: Callable[[Any], torch.optim.Optimizer], optimizer: str, workload: str,
                  batch_size: int, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
-                 group: Any = None, budget_steps: int | None = None) -> tuple[str, Advice]:
+                 group: Any = None, budget_steps: int | None = None,
+                 model_key: str | None = None) -> tuple[str, Advice]:
     """Collective (every rank, same arguments but its own batches): measure and choose.
 
     Args:
@@ -93,6 +95,8 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
         allowed: which ``--algorithms`` entries may be chosen.
         budget_steps: the job's iterations (its schedule's length), which admits the settings with a
             dense tail; None: unknown.
+        model_key: the job as ``workload:model`` (``fashion-mnist:resnet8-w32``): that model's measured
+            accuracy costs replace the others where it has any.
 
     Returns:
         ``(entry, advice)``: the chosen ``gradsync bench --algorithms`` entry (e.g.
@@ -112,5 +116,6 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
                           bucket_cap_mb, iterations=3)
     ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
-    advice = choose(prof, world, allreduce_s, optimizer, allowed=allowed, budget_steps=budget_steps)
+    advice = choose(prof, world, allreduce_s, optimizer, allowed=allowed, budget_steps=budget_steps,
+                    model_key=model_key)
     return advice.choice.entry, advice

@@ -114,6 +114,20 @@ def record_profile(
             dist.destroy_process_group()
 
 
+def workload_key(name: str) -> str | None:
+    """The ``workload:model`` key (:attr:`gradsync.workloads.Workload.key`) of profile target ``name``
+    (see :func:`model_for_profile`): ``fashion-mnist`` -> ``fashion-mnist:resnet8``; None for a
+    target that is not a training workload.
+
+    Raises:
+        ValueError: for a workload with a model it does not offer.
+    """
+    from ..workloads import WORKLOADS, get_workload
+
+    workload, _, model = name.partition(":")
+    return get_workload(workload, model or None).key if workload in WORKLOADS else None
+
+
 def model_for_profile(name: str, batch_size: int, data_dir: str | None = None):
     """``(model, make_batch, loss_fn)`` for a profile target; ``make_batch()`` returns one batch
     ``(inputs, targets)`` of ``batch_size`` samples. ``name`` is one of:

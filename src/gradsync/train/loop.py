@@ -122,7 +122,8 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     algorithm, options, auto = cfg.algorithm, cfg.options, None
     if algorithm == AUTO:
         entry, advice = resolve_auto(model, warm, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
-                                     cfg.batch_size, bucket_cap_mb, budget_steps=total_steps)
+                                     cfg.batch_size, bucket_cap_mb, budget_steps=total_steps,
+                                     model_key=workload.key)
         algorithm, options = parse_entry(entry)
         auto = {"auto_choice": entry, "auto_reason": advice.reason, "auto_ccr": advice.ccr}
         if rank == 0:

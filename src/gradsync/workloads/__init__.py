@@ -126,6 +126,11 @@ class Workload:
         return self.recipe.optimizer
 
     @property
+    def key(self) -> str:
+        """``workload:model`` (``fashion-mnist:resnet8``), the key of measured accuracy costs."""
+        return f"{self.name}:{self.model}"
+
+    @property
     def defaults(self) -> dict[str, Any]:
         """:meth:`Recipe.defaults` of this workload's recipe."""
         return self.recipe.defaults()
