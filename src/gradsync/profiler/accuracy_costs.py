@@ -10,6 +10,7 @@ estimated. A setting without a row is "not measured". Rows carry the model they 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -91,20 +92,14 @@ _KJV_GRID = ("docs/results.md, 'Time to quality on the character transformer wit
              "dense_from=300,auto --seeds 0,1,2 --hosts 2 --bandwidths 10,30,100,300 --eval-every 40 --steps 10 --warmup 3 "
              "--rounds 1 --out runs/kjv; steps: median over 3 seeds")
 
-
-def _kjv(entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
-    return AccuracyCost(entry, steps, 360, 2, 3, _KJV, _KJV_TARGET, _KJV_GRID, optimizer="adamw",
-                        not_reached=not_reached, budget_steps=400, model="kjv-transformer:char-transformer")
-
-
-def _grid(entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
-    return AccuracyCost(entry, steps, _DENSE_STEPS, 2, 5, _FMNIST, _TARGET, _GRID, not_reached=not_reached,
-                        budget_steps=_BUDGET, model="fashion-mnist:resnet8")
-
-
-def _tail_grid(entry: str, steps: int, not_reached: bool = False, source: str = _TAIL_GRID) -> AccuracyCost:
-    return AccuracyCost(entry, steps, _TAIL_DENSE_STEPS, 2, 5, _FMNIST, _TAIL_TARGET, source,
-                        not_reached=not_reached, budget_steps=_BUDGET, model="fashion-mnist:resnet8")
+# One measured grid each: every field of its rows but the entry, its steps and not_reached (:func:`_row`).
+_GRID_ROW = AccuracyCost("", 0, _DENSE_STEPS, 2, 5, _FMNIST, _TARGET, _GRID, budget_steps=_BUDGET,
+                         model="fashion-mnist:resnet8")
+_TAIL_ROW = AccuracyCost("", 0, _TAIL_DENSE_STEPS, 2, 5, _FMNIST, _TAIL_TARGET, _TAIL_GRID, budget_steps=_BUDGET,
+                         model="fashion-mnist:resnet8")
+_BF16_ROW = dataclasses.replace(_TAIL_ROW, source=_BF16_GRID)
+_KJV_ROW = AccuracyCost("", 0, 360, 2, 3, _KJV, _KJV_TARGET, _KJV_GRID, optimizer="adamw", budget_steps=400,
+                        model="kjv-transformer:char-transformer")
 
 
 _WIDE = "fashion-mnist, resnet8-w32 (308k parameters)"
@@ -113,12 +108,13 @@ _WIDE_GRID = ("docs/results.md, 'Time to quality on the larger CNN (gradsync swe
               "--algorithms allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
               "powersgd:matrix_approximation_rank=4:dense_from=700,auto --seeds 0,1,2 --hosts 2 --bandwidths 5,15,40 "
               "--epochs 2 --eval-every 26 --out runs/grid-w32; steps: median over 3 seeds")
+# dense all-reduce: 884/832/832 steps
+_WIDE_ROW = AccuracyCost("", 0, 832, 2, 3, _WIDE, _WIDE_TARGET, _WIDE_GRID, budget_steps=_BUDGET,
+                         model="fashion-mnist:resnet8-w32")
 
 
-def _wide(entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
-    # dense all-reduce: 884/832/832 steps
-    return AccuracyCost(entry, steps, 832, 2, 3, _WIDE, _WIDE_TARGET, _WIDE_GRID, not_reached=not_reached,
-                        budget_steps=_BUDGET, model="fashion-mnist:resnet8-w32")
+def _row(grid: AccuracyCost, entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
+    return dataclasses.replace(grid, entry=entry, steps=steps, not_reached=not_reached)
 
 
 #: Every published measurement (docs/results.md), SGD with Nesterov momentum unless ``optimizer`` says
@@ -128,27 +124,27 @@ def _wide(entry: str, steps: int, not_reached: bool = False) -> AccuracyCost:
 #: that never reached it) is ``not_reached``; its ``steps`` are the budget, a lower bound. The rows of
 #: the dense-tail grid (this machine) replace the first grid's where both measured a setting.
 MEASURED_COSTS: tuple[AccuracyCost, ...] = (
-    _tail_grid("fp16", 832),                                                   # 858/780/819/858/819
-    _tail_grid("bf16", 806, source=_BF16_GRID),                                # 858/780/780/819/819
-    _tail_grid("powersgd:matrix_approximation_rank=4", 936, not_reached=True),  # reached on 3 of 5 seeds
-    _tail_grid("powersgd:matrix_approximation_rank=8", 858),                    # 858/858/858/-/819
-    _tail_grid("powersgd:matrix_approximation_rank=16", 858),                   # 858/858/858/858/819
-    _tail_grid("powersgd:matrix_approximation_rank=4:dense_from=700", 910),     # 936/858/897/-/897
-    _tail_grid("powersgd:matrix_approximation_rank=4:dense_from=800", 936, not_reached=True),  # -/858/897/-/858
-    _tail_grid("covap:ratio=2:cast=fp16:dense_from=700", 936, not_reached=True),  # 0 of 5 (89.26 %)
-    _tail_grid("covap:ratio=3:cast=fp16:dense_from=700", 936, not_reached=True),  # 0 of 5 (88.66 %)
-    _grid("powersgd:matrix_approximation_rank=2", 936, not_reached=True),  # 0 of 5 (mean final 89.02 %)
-    _grid("covap:ratio=2:cast=fp16", 936, not_reached=True),               # 1 of 5 (89.35 %)
-    _grid("covap:ratio=3:cast=fp16", 936, not_reached=True),               # 0 of 5 (88.38 %)
-    _grid("covap:ratio=4:cast=fp16", 936, not_reached=True),               # 0 of 5 (87.26 %)
+    _row(_TAIL_ROW, "fp16", 832),                                                   # 858/780/819/858/819
+    _row(_BF16_ROW, "bf16", 806),                                                   # 858/780/780/819/819
+    _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4", 936, not_reached=True),  # reached on 3 of 5 seeds
+    _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=8", 858),                    # 858/858/858/-/819
+    _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=16", 858),                   # 858/858/858/858/819
+    _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4:dense_from=700", 910),     # 936/858/897/-/897
+    _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4:dense_from=800", 936, not_reached=True),  # -/858/897/-/858
+    _row(_TAIL_ROW, "covap:ratio=2:cast=fp16:dense_from=700", 936, not_reached=True),  # 0 of 5 (89.26 %)
+    _row(_TAIL_ROW, "covap:ratio=3:cast=fp16:dense_from=700", 936, not_reached=True),  # 0 of 5 (88.66 %)
+    _row(_GRID_ROW, "powersgd:matrix_approximation_rank=2", 936, not_reached=True),  # 0 of 5 (mean final 89.02 %)
+    _row(_GRID_ROW, "covap:ratio=2:cast=fp16", 936, not_reached=True),               # 1 of 5 (89.35 %)
+    _row(_GRID_ROW, "covap:ratio=3:cast=fp16", 936, not_reached=True),               # 0 of 5 (88.38 %)
+    _row(_GRID_ROW, "covap:ratio=4:cast=fp16", 936, not_reached=True),               # 0 of 5 (87.26 %)
     # the same recipe on the ResNet-8 at width 32 (3 seeds): PowerSGD r=4 loses more there
-    _wide("fp16", 858),                                                        # 858/832/858
-    _wide("powersgd:matrix_approximation_rank=8", 884),                        # 884/884/884
-    _wide("powersgd:matrix_approximation_rank=4", 936, not_reached=True),      # 0 of 3 (89.98 %)
-    _wide("powersgd:matrix_approximation_rank=4:dense_from=700", 936, not_reached=True),  # 1 of 3 (90.03 %)
+    _row(_WIDE_ROW, "fp16", 858),                                                        # 858/832/858
+    _row(_WIDE_ROW, "powersgd:matrix_approximation_rank=8", 884),                        # 884/884/884
+    _row(_WIDE_ROW, "powersgd:matrix_approximation_rank=4", 936, not_reached=True),      # 0 of 3 (89.98 %)
+    _row(_WIDE_ROW, "powersgd:matrix_approximation_rank=4:dense_from=700", 936, not_reached=True),  # 1 of 3 (90.03 %)
     # AdamW: the character transformer (dense: 360/360/360 steps)
-    _kjv("fp16", 360),                                                      # 360/360/360
-    _kjv("powersgd:matrix_approximation_rank=4:dense_from=300", 400, not_reached=True),  # 0 of 3 (3.29 bits)
+    _row(_KJV_ROW, "fp16", 360),                                                      # 360/360/360
+    _row(_KJV_ROW, "powersgd:matrix_approximation_rank=4:dense_from=300", 400, not_reached=True),  # 0 of 3 (3.29 bits)
 )
 
 #: Settings whose arithmetic equals dense all-reduce's (no accuracy cost by construction or by
