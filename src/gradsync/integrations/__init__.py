@@ -44,8 +44,9 @@ def build_state_and_hook(algorithm: str, process_group: dist.ProcessGroup | None
         model: the module DDP wraps (not the DDP wrapper); some algorithms read its layers.
         options: the algorithm's options (``ratio=4`` for COVAP, ``density=0.01`` for top-k, ...).
             COVAP's ``ratio="auto"`` works here as in ``gradsync train``: the hook times its own first
-            iterations, every rank takes K = ceil(CCR) from one all-reduce at iteration 4, and K keeps
-            following the network every ``adapt_every`` (default 20) steps.
+            iterations, every rank takes K = ceil(CCR) (at most ``max_ratio``, 2 by default) from one
+            all-reduce at iteration 4, and K keeps following the network every ``adapt_every`` (default
+            20) steps.
 
     Raises:
         ValueError: for an unknown or DeAR ``algorithm``, or options out of range.
