@@ -23,9 +23,9 @@ so every rank selects the same elements and a plain all-reduce still works.
   step; momentum and weight decay still apply (a deliberate choice, as in the reference code).
 * K from the CCR: with ``ratio="auto"`` K = ceil(CCR) in [1, ``max_ratio``]; ``max_ratio`` defaults
   to 2 there (:data:`~gradsync.compressors.covap_shards.AUTO_MAX_RATIO`; not in the paper): a K that
-  hides the communication cost dense quality on every seed measured, so time to quality favours K <= 2. ``gradsync train`` and
-  ``bench`` measure the communication-to-computation ratio before training and call
-  :meth:`CovapFilter.calibrate`; wherever else the hook runs (``build_hook``, ``gradsync.wrap``, the
+  hides the communication cost dense quality on every seed measured, so time to quality favours
+  K <= 2. ``gradsync train`` and ``bench`` measure the communication-to-computation ratio before
+  training and call :meth:`CovapFilter.calibrate`; wherever else the hook runs (``build_hook``, ``gradsync.wrap``, the
   integrations) it calibrates itself from its own first iterations: it times the backward pass and
   its collectives (the dense start-up all-reduces and K = 1 iterations, :mod:`.adapt`), and at
   iteration ``max(start_iter, 1 + AUTO_CALIBRATION_STEPS)`` every rank takes the same K from one

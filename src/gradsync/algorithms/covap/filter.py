@@ -70,10 +70,10 @@ class CovapFilter:
         """Set K = ceil(``ccr``) in [1, ``max_ratio``] (``ccr`` must be identical on every rank, e.g.
         all-reduced MAX). Returns ``{"ccr": ccr, "ratio": K}``, plus ``"ccr_ratio"``: ceil(``ccr``)
         where ``max_ratio`` lowered it."""
-        self.set_ratio(ratio_for_ccr(ccr, self.max_ratio))
+        uncapped = ratio_for_ccr(ccr, MAX_RATIO)
+        self.set_ratio(min(uncapped, self.max_ratio))
         self.calibrated = True
         out = {"ccr": float(ccr), "ratio": self.ratio}
-        uncapped = ratio_for_ccr(ccr, MAX_RATIO)
         if uncapped > self.ratio:
             out["ccr_ratio"] = uncapped
             log.info("COVAP ratio=auto: CCR %.2f calls for K = %d to hide the communication; K = %d (max_ratio): "
