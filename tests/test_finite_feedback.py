@@ -32,6 +32,8 @@ CASES = [
     ("gravac", "gravac", {"search_interval": 2}, 5),
     ("powersgd", "powersgd", {}, 5),
     ("powersgd-tail-flush", "powersgd", {"dense_from": 5}, 5),  # the inf hits the step that flushes the residual
+    ("powersgd-overlap", "powersgd-overlap", {}, 5),
+    ("powersgd-overlap-tail-flush", "powersgd-overlap", {"dense_from": 5}, 5),
     ("covap-tail-flush", "covap", {"ratio": 2, "cast": "fp16", "dense_from": 5}, 5),
     ("oscar-sw", "oscar-sw", {}, 5),
     ("oscar-asc", "oscar-asc", {}, 5),
@@ -51,6 +53,8 @@ def saved_state(state) -> list:
     ts = getattr(state, "torch_state", None)
     if ts is not None:  # PowerSGD's warm-start memories
         out += [t.clone() for d in (ts.p_memory_dict, ts.q_memory_dict) for t in d.values()]
+    for qs in getattr(state, "q_memory_dict", {}).values():  # powersgd-overlap's warm-start memories
+        out += [q.clone() for q in qs]
     if hasattr(state, "controller"):
         out.append(copy.deepcopy(state.controller.state_dict()))
     for name in ("prev_agg", "zero_mask"):  # OSCAR

@@ -16,8 +16,8 @@ from gradsync.comm.buckets import ddp_bucket_numels
 HOOKS = sorted(n for n, spec in REGISTRY.items() if spec.make_hook is not None)
 OPTIONS = {"ratio": 2, "density": 0.1}
 #: Algorithms that keep error-feedback residuals once compression starts (iteration 2).
-WITH_RESIDUALS = {"bf16", "covap", "dgc", "gravac", "powersgd", "qsgd", "randomk", "redsync", "signsgd", "topk",
-                  "oscar-sw", "oscar-asc"}
+WITH_RESIDUALS = {"bf16", "covap", "dgc", "gravac", "powersgd", "powersgd-overlap", "qsgd", "randomk", "redsync",
+                  "signsgd", "topk", "oscar-sw", "oscar-asc"}
 STEPS = 5  # 2 dense start-up iterations, then 3 compressed ones
 
 
@@ -35,7 +35,7 @@ def residual_tensors(state) -> list[torch.Tensor]:
     torch_state = getattr(state, "torch_state", None)  # torch's PowerSGDState
     if torch_state is not None:
         out += list(torch_state.error_dict.values())
-    for name in ("error", "accumulators"):  # OSCAR, count sketch
+    for name in ("error", "accumulators", "error_dict"):  # OSCAR, count sketch, powersgd-overlap
         d = getattr(state, name, None)
         if isinstance(d, dict):
             out += [t for t in d.values() if isinstance(t, torch.Tensor)]

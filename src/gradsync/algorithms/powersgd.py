@@ -143,7 +143,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     restores torch's error dict and its warm-start P/Q memories and returns NaN, so GradScaler
     skips it on every rank."""
     if state.dense_from and state.iteration >= state.dense_from:
-        return _dense_tail(state, bucket)
+        return dense_tail(state, bucket, state.torch_state.error_dict)
     buf = bucket.buffer()
     ts = state.torch_state
     before = ts.total_numel_after_compression
@@ -165,17 +165,19 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     return state.guarded(bucket, fut) if compressed else fut
 
 
-def _dense_tail(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """An iteration >= ``dense_from``: torch's ``fp16_compress_hook`` (the bucket divided by the world
-    size, cast to float16, summed, cast back; ``numel`` x 2 bytes). While torch's error dict holds
-    this bucket's residual it is added to the gradient first and dropped from the dict, under the
-    finite guard: a non-finite step restores it (and the next step flushes it again)."""
+def dense_tail(state: HookState, bucket: dist.GradBucket,
+               error_dict: dict) -> torch.futures.Future[torch.Tensor]:
+    """An iteration >= ``state.dense_from``: torch's ``fp16_compress_hook`` (the bucket divided by the
+    world size, cast to float16, summed, cast back; ``numel`` x 2 bytes), in chunks of
+    ``state.tail_chunk_mb`` launched together. While ``error_dict`` (bucket index -> residual, the
+    hook's error feedback) holds this bucket's residual it is added to the gradient first and
+    removed, under the finite guard: a non-finite step restores it (``state._snapshot`` copies the
+    dict) and the next step flushes it again."""
     buf = bucket.buffer()
-    ts = state.torch_state
-    error = ts.error_dict.get(bucket.index())
+    error = error_dict.get(bucket.index())
     if error is not None:
         state.finite_guard.begin(state.iteration, state._snapshot)
-        ts.error_dict = {k: v for k, v in ts.error_dict.items() if k != bucket.index()}
+        del error_dict[bucket.index()]
         buf.add_(error.to(buf.dtype))
     # torch's fp16_compress_hook arithmetic (cast to float16, divide, sum), the float16 copy sent in
     # chunks of the job's bucket size, all launched at once; with 2 ranks bitwise torch's hook
