@@ -190,6 +190,9 @@ def test_powersgd_bytes_with_and_without_shapes():
     })
     steps = PowerSGDPlan(4).bucket_plans(prof, 2, 0)[0].steps
     assert [s.nbytes for s in steps] == [64 * 4, 64 * 4 * 4, 576 * 4 * 4]
+    # powersgd-overlap: the uncompressed tensors (float32) travel with P
+    steps = PowerSGDPlan(4, fused=True).bucket_plans(prof, 2, 0)[0].steps
+    assert [s.nbytes for s in steps] == [64 * 4 + 64 * 4 * 4, 576 * 4 * 4]
     sq = synthetic_profile([10**6], 0.0, 0.01)
     steps = PowerSGDPlan(2).bucket_plans(sq, 2, 0)[0].steps
     assert [s.nbytes for s in steps] == [1000 * 2 * 4, 1000 * 2 * 4]

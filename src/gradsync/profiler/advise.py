@@ -63,6 +63,8 @@ def candidates() -> list[tuple[str, str, AlgorithmPlan]]:
         ("fp16", "fp16 cast", FP16Plan()),
         ("bf16", "bf16 cast", FP16Plan()),
         *[(f"powersgd:matrix_approximation_rank={r}", f"PowerSGD r={r}", PowerSGDPlan(r)) for r in (1, 2, 4, 8, 16)],
+        *[(f"powersgd-overlap:matrix_approximation_rank={r}", f"PowerSGD r={r}, overlapped",
+           PowerSGDPlan(r, fused=True)) for r in (1, 2, 4, 8, 16)],
         *[(f"covap:ratio={k}:cast=fp16", f"COVAP K={k}, fp16 shards", CovapSimPlan(k)) for k in range(2, 7)],
         ("dear", "DeAR", DeARPlan()),
         ("topk:density=0.01", "top-k density 0.01", TopKPlan(0.01)),

@@ -187,18 +187,24 @@ class PowerSGDPlan(AlgorithmPlan):
     bucket (a lower bound on the traffic of per-layer matrices). Record ``shapes`` in the profile for
     the exact count.
 
+    With ``fused=True`` it is gradsync's ``powersgd-overlap``: two fp32 all-reduces per bucket, the
+    uncompressed tensors with ``P``, then ``Q`` (its wait for ``P`` before launching ``Q`` is not
+    modelled).
+
     Args:
         rank: matrix approximation rank r >= 1.
         flops_per_s: compute rate used to charge compression overhead: per matrix
             ``6 * rows * cols * r`` flops (M Q, M^T P, P Q^T) + ``2 * (rows + cols) * r**2``
             (Gram-Schmidt). ``None`` (default) charges no overhead.
+        fused: all-reduce the uncompressed tensors (as float32) with ``P``.
     """
 
-    def __init__(self, rank: int, flops_per_s: float | None = None) -> None:
+    def __init__(self, rank: int, flops_per_s: float | None = None, fused: bool = False) -> None:
         self.rank = check_int("rank", rank, 1)
         self.flops_per_s = (None if flops_per_s is None else
                             check_float("flops_per_s", flops_per_s, 0.0, low_inclusive=False))
-        self.name = f"powersgd(r={self.rank})"
+        self.fused = bool(fused)
+        self.name = f"powersgd(r={self.rank}{', fused' if self.fused else ''})"
 
     def _matrices(self, b: ProfileBucket) -> tuple[int, list[tuple[int, int]]]:
         if b.shapes is None:
@@ -230,11 +236,14 @@ class PowerSGDPlan(AlgorithmPlan):
         db = 4  # torch's PowerSGD keeps P and Q in fp32
         for b in profile.buckets:
             unc, mats = self._matrices(b)
-            steps = []
-            if unc:
-                steps.append(CommStep("allreduce", unc * profile.dtype_bytes))
+            p_bytes = sum(m[0] for m in mats) * r * db
+            if self.fused:
+                steps = [CommStep("allreduce", unc * db + p_bytes)] if unc or mats else []
+            else:
+                steps = [CommStep("allreduce", unc * profile.dtype_bytes)] if unc else []
+                if mats:
+                    steps.append(CommStep("allreduce", p_bytes))
             if mats:
-                steps.append(CommStep("allreduce", sum(m[0] for m in mats) * r * db))
                 steps.append(CommStep("allreduce", sum(m[1] for m in mats) * r * db))
             overhead = 0.0
             if self.flops_per_s is not None:
