@@ -36,10 +36,9 @@ import torch.distributed as dist
 
 from ..comm.collectives import dense_allreduce
 from ..comm.futures import then
-from ..options import Options, option
 from ..validation import check_dense_from, check_float, check_int
 from .base import HookState
-from .powersgd import dense_tail
+from .powersgd import PowerSGDOptions, dense_tail
 from .spec import hook_algorithm
 
 #: torch's default: a tensor is compressed only where its rank-r factors are this many times smaller
@@ -47,14 +46,10 @@ MIN_COMPRESSION_RATE = 2.0
 
 
 @dataclass(frozen=True)
-class PowerSGDOverlapOptions(Options):
-    """Options of ``powersgd-overlap``."""
+class PowerSGDOverlapOptions(PowerSGDOptions):
+    """Options of ``powersgd-overlap``: those of ``powersgd``."""
 
     OWNER = "powersgd-overlap"
-    matrix_approximation_rank: int = option(2, "PowerSGD matrix approximation rank r", low=1, high=64)
-    dense_from: int = option(0, "from this iteration on torch's fp16 hook, the first such step carrying the "
-                             "error-feedback residual, so the end of training runs at fp16 quality; 0: never",
-                             low=0, high=100_000_000, units="iterations")
 
 
 @dataclass
