@@ -157,8 +157,8 @@ def sweep_table(out: Path, runs: list[Run]) -> str:
 
 
 # ------------------------------------------------------------------------------------- experiments
-DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd:matrix_approximation_rank=4:dense_from=700,"
-        "auto", "--seeds", "0", "--hosts", "2", "--bandwidths", "5", "--epochs", "2", "--eval-every", "39",
+DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
+        "powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0", "--hosts", "2", "--bandwidths", "5", "--epochs", "2", "--eval-every", "39",
         "--rounds", "1"]  # the Makefile's DEMO_ARGS
 # --quick: a few steps of everything (sweep-fmnist's and the demo's)
 SWEEP_QUICK = ["--train-samples", "512", "--epochs", "1", "--eval-every", "2", "--eval-samples", "200", "--steps", "2",
@@ -269,6 +269,13 @@ EXPERIMENTS = [
     Experiment("sweep-bf16", "Results: the bf16 hook under the recipe (gradsync sweep)", [
         Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,bf16", "--seeds", "0,1,2,3,4", "--hosts", "2",
                                "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
+            quick=["--seeds", "0", *SWEEP_QUICK]),
+    ], sweep_table, root=True),
+    Experiment("sweep-overlap", "Results: time to quality with PowerSGD overlapped with backward (gradsync sweep)", [
+        Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,bf16,powersgd:matrix_approximation_rank=8,"
+                               "powersgd-overlap:matrix_approximation_rank=8,"
+                               "powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2,3,4",
+                               "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
     Experiment("sweep-wide-cnn", "Results: time to quality on the larger CNN (ResNet-8 at width 32; gradsync sweep)", [

@@ -79,10 +79,16 @@ _TAIL_GRID = ("docs/results.md, 'Time to quality: PowerSGD ranks, dense tails an
               "'Time to quality with a dense tail'); steps: olympic mean over 5 seeds")
 #: dense all-reduce's olympic-mean steps to the target in the dense-tail grid (seeds: 897, 780, 780, 819, 819)
 _TAIL_DENSE_STEPS = 806
-_BF16_GRID = ("docs/results.md, 'The bf16 hook under the recipe (gradsync sweep)': gradsync sweep --algorithms "
-              "allreduce,fp16,bf16 --seeds 0,1,2,3,4 --hosts 2 --bandwidths 5,15,40 --epochs 2 --eval-every 39 "
-              "--out runs/grid-bf16 (allreduce and fp16 reused from runs/grid: the same target); steps: olympic "
-              "mean over 5 seeds")
+
+_OVERLAP_TARGET = "dense's mean final accuracy - 0.5 points (89.27 %), one-cycle recipe, 2 epochs (936 steps)"
+_OVERLAP_GRID = ("docs/results.md, 'Time to quality: PowerSGD overlapped with backward (gradsync sweep)': gradsync sweep "
+                 "--algorithms allreduce,fp16,bf16,powersgd:matrix_approximation_rank=8,"
+                 "powersgd-overlap:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=4:dense_from=700,"
+                 "auto --seeds 0,1,2,3,4 --hosts 2 --bandwidths 5,15,40 --epochs 2 --eval-every 39 --out runs/grid-overlap "
+                 "(a machine whose CPU rounds differently from the dense-tail grid's: dense's finals differ); steps: "
+                 "olympic mean over 5 seeds")
+#: dense all-reduce's olympic-mean steps to the target in the overlap grid (seeds: 858, 780, 819, 858, 819)
+_OVERLAP_DENSE_STEPS = 832
 
 
 _KJV = "kjv-transformer, char-transformer (845k parameters), AdamW"
@@ -97,7 +103,8 @@ _GRID_ROW = AccuracyCost("", 0, _DENSE_STEPS, 2, 5, _FMNIST, _TARGET, _GRID, bud
                          model="fashion-mnist:resnet8")
 _TAIL_ROW = AccuracyCost("", 0, _TAIL_DENSE_STEPS, 2, 5, _FMNIST, _TAIL_TARGET, _TAIL_GRID, budget_steps=_BUDGET,
                          model="fashion-mnist:resnet8")
-_BF16_ROW = dataclasses.replace(_TAIL_ROW, source=_BF16_GRID)
+_OVERLAP_ROW = AccuracyCost("", 0, _OVERLAP_DENSE_STEPS, 2, 5, _FMNIST, _OVERLAP_TARGET, _OVERLAP_GRID,
+                            budget_steps=_BUDGET, model="fashion-mnist:resnet8")
 _KJV_ROW = AccuracyCost("", 0, 360, 2, 3, _KJV, _KJV_TARGET, _KJV_GRID, optimizer="adamw", budget_steps=400,
                         model="kjv-transformer:char-transformer")
 
@@ -121,13 +128,18 @@ def _row(grid: AccuracyCost, entry: str, steps: int, not_reached: bool = False) 
 #: otherwise. Several rows may cover one
 #: setting (different world sizes); :func:`gradsync.profiler.advise.advise` uses the one closest in world
 #: size. A setting that missed the target on 2 or more of the 5 seeds (so the olympic mean keeps a seed
-#: that never reached it) is ``not_reached``; its ``steps`` are the budget, a lower bound. The rows of
-#: the dense-tail grid (this machine) replace the first grid's where both measured a setting.
+#: that never reached it) is ``not_reached``; its ``steps`` are the budget, a lower bound. A newer grid's
+#: rows replace an older grid's where both measured a setting (overlap > dense-tail > first grid); each
+#: row's cost is relative to dense in its own grid.
 MEASURED_COSTS: tuple[AccuracyCost, ...] = (
-    _row(_TAIL_ROW, "fp16", 832),                                                   # 858/780/819/858/819
-    _row(_BF16_ROW, "bf16", 806),                                                   # 858/780/780/819/819
+    # the overlap grid, the newest: its fp16, bf16 and PowerSGD r=8 rows replace the older grids' (832, 806 and
+    # 858 steps against dense's 806)
+    _row(_OVERLAP_ROW, "fp16", 819),                                                     # 819/858/819/819/819
+    _row(_OVERLAP_ROW, "bf16", 832),                                                     # 858/819/780/858/819
+    _row(_OVERLAP_ROW, "powersgd:matrix_approximation_rank=8", 832),                     # 858/741/858/819/819
+    _row(_OVERLAP_ROW, "powersgd-overlap:matrix_approximation_rank=8", 780),             # 858/780/780/780/780
+    _row(_OVERLAP_ROW, "powersgd-overlap:matrix_approximation_rank=4:dense_from=700", 858),  # 897/858/780/-/819
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4", 936, not_reached=True),  # reached on 3 of 5 seeds
-    _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=8", 858),                    # 858/858/858/-/819
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=16", 858),                   # 858/858/858/858/819
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4:dense_from=700", 910),     # 936/858/897/-/897
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4:dense_from=800", 936, not_reached=True),  # -/858/897/-/858
@@ -148,8 +160,8 @@ MEASURED_COSTS: tuple[AccuracyCost, ...] = (
 )
 
 #: Settings whose arithmetic equals dense all-reduce's (no accuracy cost by construction or by
-#: measurement), with the reason. ``bf16`` is a cast like ``fp16`` but has no measurement: it is
-#: not listed and :mod:`~gradsync.profiler.advise` labels it a cast counted as lossless.
+#: measurement), with the reason. The casts (``fp16``, ``bf16``) are not listed: both have measured rows
+#: in :data:`MEASURED_COSTS`.
 LOSSLESS: dict[str, str] = {
     "allreduce": "the reference (DDP's own arithmetic)",
     "dear": ("bitwise-identical training losses to allreduce at all 100 steps (docs/results.md, DeAR: "
