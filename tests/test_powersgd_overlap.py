@@ -97,3 +97,26 @@ def test_error_feedback_conserves_the_gradient():
         torch.testing.assert_close(sent, world * result + kept, rtol=0, atol=1e-5)
         lossy = max(lossy, float(kept.abs().max()))
     assert lossy > 1e-3, "rank 1 loses information, which the residual must hold"
+
+
+def _resumed_with_other_buckets(rank, world):
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    state = PowerSGDOverlapState(2)
+    model.register_comm_hook(state, powersgd_overlap_hook)
+    for step in range(3):
+        backward_step(model, rank, step)
+    saved = state.state_dict()
+    other = DDP(make_model(), bucket_cap_mb=25)  # one bucket: another layout
+    resumed = PowerSGDOverlapState(2)
+    resumed.load_state_dict(saved)
+    other.register_comm_hook(resumed, powersgd_overlap_hook)
+    try:
+        backward_step(other, rank, 3)
+    except Exception as exc:  # noqa: BLE001  raised through DDP's backward
+        return str(exc)
+    return None
+
+
+def test_a_state_resumed_into_other_buckets_is_refused():
+    for message in run_ranks(_resumed_with_other_buckets, 2):
+        assert message is not None and "holds other tensors than its saved residual and warm-start Q" in message

@@ -63,7 +63,6 @@ class _Phase1:
     plain: list                    # (offset, numel) of the tensors all-reduced uncompressed
     work: Any                      # the P all-reduce
     flat: torch.Tensor             # float32 [uncompressed numel + sum rows x r]: its input and output
-    qs: list                       # the Q the P were computed from
     result: torch.futures.Future   # the future DDP holds for this bucket
 
 
@@ -141,9 +140,6 @@ class PowerSGDOverlapState(HookState):
     def _phase1(self, bucket: dist.GradBucket) -> _Phase1:
         buf, index, r = bucket.buffer(), bucket.index(), self.matrix_approximation_rank
         m = buf.to(torch.float32, copy=True)
-        error = self.error_dict.get(index)
-        if error is not None:
-            m.add_(error)
         base, size = buf.data_ptr(), buf.element_size()
         matrices, plain = [], []
         for g in bucket.gradients():
@@ -154,13 +150,21 @@ class PowerSGDOverlapState(HookState):
                 matrices.append((off, rows, cols))
             else:
                 plain.append((off, g.numel()))
-        qs = self.q_memory_dict.get(index) or self._initial_q(index, [c for _, _, c in matrices], buf.device)
+        cols = [c for _, _, c in matrices]
+        qs = self.q_memory_dict.get(index) or self._initial_q(index, cols, buf.device)
+        error = self.error_dict.get(index)
+        if [q.shape[0] for q in qs] != cols or (error is not None and error.numel() != m.numel()):
+            raise ValueError(f"powersgd-overlap: bucket {index} holds other tensors than its saved residual and "
+                             "warm-start Q (DDP's bucket_cap_mb or the model differs from the run the state was "
+                             "saved in)")
+        if error is not None:
+            m.add_(error)
         parts = [m[o:o + n] for o, n in plain]
         parts += [(m[o:o + rows * cols].view(rows, cols) @ q).reshape(-1) for (o, rows, cols), q in zip(matrices, qs)]
         flat = torch.cat(parts) if parts else m.new_zeros(0)
         self.count_collective(flat, kind="allreduce")
         work = dist.all_reduce(flat, group=self.process_group, async_op=True)
-        return _Phase1(index, buf, m, matrices, plain, work, flat, qs, torch.futures.Future())
+        return _Phase1(index, buf, m, matrices, plain, work, flat, torch.futures.Future())
 
     def phase2(self, p1: _Phase1) -> None:
         """Wait for ``p1``'s P, orthonormalise it, launch the all-reduce of Q = M^T P; its callback
