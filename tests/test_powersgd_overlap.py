@@ -120,3 +120,32 @@ def _resumed_with_other_buckets(rank, world):
 def test_a_state_resumed_into_other_buckets_is_refused():
     for message in run_ranks(_resumed_with_other_buckets, 2):
         assert message is not None and "holds other tensors than its saved residual and warm-start Q" in message
+
+
+def _peer_dies(rank, world, out):
+    import os
+    import time
+
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    model.register_comm_hook(PowerSGDOverlapState(2), powersgd_overlap_hook)
+    for step in range(4):  # 2 dense start-up steps, then compressed ones
+        backward_step(model, rank, step)
+    if rank == 1:
+        os._exit(3)
+    start, message = time.monotonic(), ""
+    try:
+        backward_step(model, rank, 4)
+    except Exception as exc:  # noqa: BLE001  raised through DDP's backward
+        message = str(exc) or type(exc).__name__
+    # the test harness's closing barrier fails too, so the outcome goes through a file
+    out.write_text(f"{time.monotonic() - start}\n{message}")
+
+
+def test_a_dead_peer_ends_the_step_with_an_error_within_the_timeout(tmp_path):
+    """Rank 1 exits after two compressed steps; rank 0's next backward (its hook waits for P in the
+    hook body, its Q in a callback) raises within the process-group timeout (5 s) instead of hanging."""
+    out = tmp_path / "rank0.txt"
+    run_ranks(_peer_dies, 2, out, pg_timeout=5.0, timeout=90.0, expect_failure=True)
+    elapsed, message = out.read_text().split("\n", 1)
+    assert message, "rank 0's step must raise"
+    assert float(elapsed) < 5.0 + 10.0
