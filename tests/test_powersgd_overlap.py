@@ -3,9 +3,10 @@ buckets in flight.
 
 Tolerances: where the summed gradient has rank <= r, PowerSGD's power iteration recovers it exactly,
 so the result equals DDP's dense average up to float32 rounding, which error feedback carries from
-step to step: a relative 2-norm error below 1e-3 (torch's own ``powerSGD_hook`` on the same steps: up
-to 5.3e-5 at the sixth step, this hook 1.2e-4). Error feedback conserves the gradient: per bucket and step, the ranks' inputs plus
-old residuals equal world size x result plus the new residuals, within atol=1e-5.
+step to step: a relative 2-norm error below 1e-3 (torch's own ``powerSGD_hook`` on the same steps:
+up to 5.3e-5 at the sixth step, this hook 1.2e-4). Error feedback conserves the gradient: per bucket
+and step, the ranks' inputs plus old residuals equal world size x result plus the new residuals,
+within atol=1e-5.
 """
 
 import torch

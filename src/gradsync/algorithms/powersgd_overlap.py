@@ -128,8 +128,9 @@ class PowerSGDOverlapState(HookState):
 
     # -- the two phases ------------------------------------------------------------------------
     def _initial_q(self, index: int, cols: list, device: torch.device) -> list:
+        # drawn on the CPU, so every rank gets the same Q whatever its device
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        return [torch.randn(c, self.matrix_approximation_rank, generator=gen).to(device) for c in cols]
+        return [torch.randn(c, self.matrix_approximation_rank, generator=gen, device="cpu").to(device) for c in cols]
 
     def phase1(self, bucket: dist.GradBucket) -> _Phase1:
         """Add the residual, compute P = M Q for the compressed tensors and launch one all-reduce of
