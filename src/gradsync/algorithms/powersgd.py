@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from dataclasses import dataclass
 
+from ..comm.buckets import gradient_offsets
 from ..comm.futures import then
 from ..comm.sparse import allreduce_payload
 from ..options import Options, option
@@ -112,13 +113,8 @@ class _Float32Bucket:
 
     def __init__(self, bucket: Any):
         self._bucket = bucket
-        orig = bucket.buffer()
-        self._buffer = orig.to(torch.float32)
-        base, size = orig.data_ptr(), orig.element_size()
-        self._gradients = []
-        for g in bucket.gradients():
-            off = (g.data_ptr() - base) // size
-            self._gradients.append(self._buffer[off:off + g.numel()].view(g.shape))
+        self._buffer = bucket.buffer().to(torch.float32)
+        self._gradients = [self._buffer[off:off + g.numel()].view(g.shape) for off, g in gradient_offsets(bucket)]
 
     def buffer(self) -> torch.Tensor:
         return self._buffer

@@ -34,16 +34,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..comm.buckets import gradient_offsets
 from ..comm.collectives import dense_allreduce
 from ..comm.futures import then
+from ..compressors.lowrank import compressed_matrix
 from ..validation import check_dense_from, check_float, check_int
 from .base import HookState
 from .powersgd import PowerSGDOptions, dense_tail
 from .spec import hook_algorithm
-
-#: torch's default: a tensor is compressed only where its rank-r factors are this many times smaller
-MIN_COMPRESSION_RATE = 2.0
-
 
 @dataclass(frozen=True)
 class PowerSGDOverlapOptions(PowerSGDOptions):
@@ -141,16 +139,13 @@ class PowerSGDOverlapState(HookState):
     def _phase1(self, bucket: dist.GradBucket) -> _Phase1:
         buf, index, r = bucket.buffer(), bucket.index(), self.matrix_approximation_rank
         m = buf.to(torch.float32, copy=True)
-        base, size = buf.data_ptr(), buf.element_size()
         matrices, plain = [], []
-        for g in bucket.gradients():
-            off = (g.data_ptr() - base) // size
-            rows = g.shape[0] if g.dim() > 1 else g.numel()
-            cols = g.numel() // max(rows, 1)
-            if g.dim() > 1 and (rows + cols) * r * MIN_COMPRESSION_RATE < rows * cols:
-                matrices.append((off, rows, cols))
-            else:
+        for off, g in gradient_offsets(bucket):
+            mat = compressed_matrix(g.shape, r)
+            if mat is None:
                 plain.append((off, g.numel()))
+            else:
+                matrices.append((off, *mat))
         cols = [c for _, _, c in matrices]
         qs = self.q_memory_dict.get(index) or self._initial_q(index, cols, buf.device)
         error = self.error_dict.get(index)

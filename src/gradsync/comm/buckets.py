@@ -8,7 +8,7 @@ buckets decides how much communication overlaps with the backward pass. Used by 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -56,6 +56,14 @@ TARGET_BUCKETS = 8
 #: Range of :func:`suggested_bucket_cap_mb` (MB): below 10 KB per collective the per-call latency
 #: dominates; above DDP's 25 MB default nothing is gained.
 BUCKET_CAP_RANGE_MB = (0.01, 25.0)
+
+
+def gradient_offsets(bucket: Any) -> list[tuple[int, torch.Tensor]]:
+    """``(offset, gradient)`` of every gradient of a DDP ``GradBucket``: its position in
+    ``bucket.buffer()``, in elements, and the gradient view itself."""
+    buf = bucket.buffer()
+    base, size = buf.data_ptr(), buf.element_size()
+    return [((g.data_ptr() - base) // size, g) for g in bucket.gradients()]
 
 
 def suggested_bucket_cap_mb(gradient_bytes: int) -> float:

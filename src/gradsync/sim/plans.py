@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gradsync.compressors.covap_shards import MAX_RATIO, CovapPlan
+from gradsync.compressors.lowrank import compressed_matrix
 from gradsync.sim.costmodel import COLLECTIVES
 from gradsync.sim.profile import Profile, ProfileBucket
 from gradsync.validation import check_float, check_int
@@ -217,15 +218,11 @@ class PowerSGDPlan(AlgorithmPlan):
         mats = []
         r = self.rank
         for s in shapes:
-            n = math.prod(s)
-            if len(s) <= 1:
-                uncompressed += n
-                continue
-            rows, cols = s[0], n // s[0]
-            if (rows + cols) * r * 2 >= rows * cols:
-                uncompressed += n
+            mat = compressed_matrix(s, r)
+            if mat is None:
+                uncompressed += math.prod(s)
             else:
-                mats.append((rows, cols))
+                mats.append(mat)
         if b.shapes is None and not mats:
             uncompressed = b.numel
         return uncompressed, mats
