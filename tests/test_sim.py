@@ -10,6 +10,9 @@ import pytest
 from gradsync.compressors.covap_shards import CovapPlan
 
 from gradsync.sim import (
+    AlgorithmPlan,
+    BucketPlan,
+    CommStep,
     CovapSimPlan,
     DeARPlan,
     DensePlan,
@@ -202,6 +205,40 @@ def test_powersgd_bytes_with_and_without_shapes():
     assert [s.nbytes for s in steps] == [64]
     r = simulate(sq, PowerSGDPlan(2, flops_per_s=1e12), 2, NET)
     assert r.compression_s == pytest.approx((6 * 1e6 * 2 + 2 * 2000 * 4) / 1e12)
+
+
+class _TwoPhase(AlgorithmPlan):
+    """Per bucket a 1 MB all-reduce at its ready time, then a 0.5 MB one in ``phase``."""
+
+    def __init__(self, phase):
+        self.phase = phase
+
+    def bucket_plans(self, profile, world_size, step):
+        return [BucketPlan((CommStep("allreduce", 1e6), CommStep("allreduce", 5e5, self.phase)))
+                for _ in profile.buckets]
+
+
+def test_a_hook_that_waits_for_the_previous_bucket_stalls_backward():
+    # 2 ranks at 1 Gbit/s: 8 ms and 4 ms; buckets ready at 10 and 12 ms of a 20 ms backward
+    prof = synthetic_profile([100, 100], 0.0, 0.02, ready_s=[0.010, 0.012])
+    net = Network(1.0)
+    # FIFO at ready time: P0 10-18, Q0 18-22, P1 22-30, Q1 30-34
+    assert simulate(prof, _TwoPhase("backward"), 2, net).iteration_s == pytest.approx(0.034)
+    # bucket 1's hook waits for P0 until 18 ms (6 ms stall), launches Q0 18-22 and P1 22-30; the last
+    # hook, at 12 + 6 ms, waits for P1 until 30 (12 ms more), launches Q1 30-34; backward ends 20 + 18
+    r = simulate(prof, _TwoPhase("next_hook"), 2, net)
+    assert r.iteration_s == pytest.approx(0.038)
+    assert r.payload_bytes == pytest.approx(3e6)
+    # powersgd-overlap's plan launches its Q by the next hook
+    shaped = load_profile({
+        "schema": "gradsync-profile/1", "model": "m", "batch_size": 8, "dtype_bytes": 4,
+        "forward_s": 0.0, "backward_s": 0.01, "optimizer_s": 0.0,
+        "buckets": [{"index": 0, "numel": 64 * 576, "ready_s": 0.01, "shapes": [[64, 64, 3, 3]]}]})
+    assert [s.phase for s in PowerSGDPlan(4, fused=True).bucket_plans(shaped, 2, 0)[0].steps] == \
+        ["backward", "next_hook"]
+    assert [s.phase for s in PowerSGDPlan(4).bucket_plans(shaped, 2, 0)[0].steps] == ["backward", "backward"]
+    with pytest.raises(ValueError, match="phase must be one of backward, forward, next_hook"):
+        CommStep("allreduce", 1.0, "later")
 
 
 def test_dear_forward_overlap_single_bucket():

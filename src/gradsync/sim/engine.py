@@ -10,7 +10,10 @@ alpha-beta network (:mod:`gradsync.sim.costmodel`):
 * Wait-free back-propagation (WFBP; Zhang et al., "Poseidon", USENIX ATC 2017; PyTorch DDP, Li et al.,
   VLDB 2020, Sec. 3.2.3): the collective(s) of bucket ``i`` start at
   ``max(ready_i, end of the previous collective)``; one collective at a time, FIFO in bucket order.
-* Iteration time ``= forward_end + max(backward_s, end of last backward-phase collective)
+  A collective of phase ``"next_hook"`` is launched by bucket ``i+1``'s hook (the last bucket's
+  by its own), which first waits for bucket ``i``'s collectives: backward stalls for that wait and
+  every later ready time moves by the stall.
+* Iteration time ``= max(forward_end + backward_s + stalls, end of last backward-phase collective)
   + optimizer_s + compression overhead``. ``forward_end = forward_s`` unless the plan has
   forward-phase collectives (DeAR's all-gathers, see :class:`~gradsync.sim.plans.DeARPlan`).
 * Compute-only time ``= forward_s + backward_s + optimizer_s``; exposed communication
@@ -103,21 +106,43 @@ def _simulate_step(profile: Profile, plans: list[BucketPlan], p: int, net: Netwo
     else:
         fwd_t = profile.forward_s
     forward_end = fwd_t
-    # backward phase: wait-free back-propagation, FIFO in bucket order
-    for b, bp in zip(profile.buckets, plans):
-        for s in bp.steps:
-            if s.phase != "backward":
-                continue
+    # backward phase: wait-free back-propagation, FIFO in bucket order; a hook that waits for the
+    # previous bucket's collectives before launching its "next_hook" steps stalls backward
+    stall = 0.0
+    waiting: tuple[float, list] | None = None  # (end of the awaited collectives, steps to launch)
+
+    def launch(steps: list, at: float) -> None:
+        nonlocal comm_free, comm_busy
+        for s in steps:
             cost = collective_time(s.kind, s.nbytes, p, net)
-            comm_free = _overlapped_end(max(comm_free, forward_end + b.ready_s), cost,
-                                        forward_end + profile.backward_s, eta)
+            comm_free = _overlapped_end(max(comm_free, at), cost, forward_end + profile.backward_s + stall, eta)
             comm_busy += cost
+
+    def hook_waits(at: float) -> float:
+        nonlocal stall, waiting
+        if waiting is None:
+            return at
+        awaited, steps = waiting
+        waiting = None
+        stall += max(0.0, awaited - at)
+        at = max(at, awaited)
+        launch(steps, at)
+        return at
+
+    for b, bp in zip(profile.buckets, plans):
+        hook = hook_waits(forward_end + b.ready_s + stall)
+        launch([s for s in bp.steps if s.phase == "backward"], hook)
+        later = [s for s in bp.steps if s.phase == "next_hook"]
+        if later:
+            waiting = (comm_free, later)
+    if waiting is not None:  # the last bucket's hook launches its own
+        hook_waits(forward_end + profile.buckets[-1].ready_s + stall)
     for bp in plans:
         for s in bp.steps:
             payload += s.nbytes
             wire += _wire_bytes(s.kind, s.nbytes, p)
     overhead = sum(bp.overhead_s for bp in plans)
-    iteration = max(forward_end + profile.backward_s, comm_free) + profile.optimizer_s + overhead
+    iteration = max(forward_end + profile.backward_s + stall, comm_free) + profile.optimizer_s + overhead
     return iteration, overhead, comm_busy, payload, wire
 
 

@@ -20,6 +20,7 @@ from gradsync.sim.profile import Profile, ProfileBucket
 from gradsync.validation import check_float, check_int
 
 __all__ = [
+    "PHASES",
     "PLANS",
     "AlgorithmPlan",
     "BucketPlan",
@@ -34,13 +35,19 @@ __all__ = [
 ]
 
 
+#: When a :class:`CommStep` is launched.
+PHASES = ("backward", "forward", "next_hook")
+
+
 @dataclass(frozen=True)
 class CommStep:
     """One collective: ``kind`` in :data:`~gradsync.sim.costmodel.COLLECTIVES`, ``nbytes`` as the
     matching cost function takes it (the full vector for all-reduce/reduce-scatter/all-gather, the
     per-rank payload for ``sparse_allgather``). ``phase`` is ``"backward"`` (launched when the bucket
-    is ready, overlapped with backward) or ``"forward"`` (must finish before the bucket's layers run
-    in the next forward pass, e.g. DeAR's all-gather)."""
+    is ready, overlapped with backward), ``"forward"`` (must finish before the bucket's layers run
+    in the next forward pass, e.g. DeAR's all-gather) or ``"next_hook"`` (launched by the next
+    bucket's hook, the last bucket's by its own, after that hook waited for this bucket's
+    ``"backward"`` collectives to finish, stalling backward meanwhile: powersgd-overlap's Q after P)."""
 
     kind: str
     nbytes: float
@@ -50,8 +57,8 @@ class CommStep:
         if self.kind not in COLLECTIVES:
             raise ValueError(f"kind must be one of {', '.join(COLLECTIVES)}; got {self.kind!r}")
         object.__setattr__(self, "nbytes", check_float("nbytes", self.nbytes, 0.0))
-        if self.phase not in ("backward", "forward"):
-            raise ValueError(f"phase must be 'backward' or 'forward', got {self.phase!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}; got {self.phase!r}")
 
 
 @dataclass(frozen=True)
@@ -189,8 +196,8 @@ class PowerSGDPlan(AlgorithmPlan):
     the exact count.
 
     With ``fused=True`` it is gradsync's ``powersgd-overlap``: two fp32 all-reduces per bucket, the
-    uncompressed tensors with ``P``, then ``Q`` (its wait for ``P`` before launching ``Q`` is not
-    modelled).
+    uncompressed tensors with ``P``, then ``Q``, launched by the next bucket's hook once ``P`` has
+    arrived (phase ``"next_hook"``: backward waits for ``P``).
 
     Args:
         rank: matrix approximation rank r >= 1.
@@ -241,7 +248,8 @@ class PowerSGDPlan(AlgorithmPlan):
                 if mats:
                     steps.append(CommStep("allreduce", p_bytes))
             if mats:
-                steps.append(CommStep("allreduce", sum(m[1] for m in mats) * r * db))
+                steps.append(CommStep("allreduce", sum(m[1] for m in mats) * r * db,
+                                      "next_hook" if self.fused else "backward"))
             overhead = 0.0
             if self.flops_per_s is not None:
                 flops = sum(6 * m[0] * m[1] * r + 2 * (m[0] + m[1]) * r * r for m in mats)
