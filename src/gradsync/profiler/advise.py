@@ -296,7 +296,8 @@ def _notes(prof: Profile) -> list[str]:
              "compute times are this machine's.",
              "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not modelled: "
              "predicted speed-ups of compressed settings are upper bounds.",
-             "PowerSGD is replayed on one bucket, ready at the end of backward, as gradsync runs torch's hook.",
+             "PowerSGD is replayed on one bucket, ready at the end of backward, as gradsync runs torch's hook; "
+             "powersgd-overlap on every bucket, each Q launched by the next bucket's hook once P has arrived.",
              "Measured accuracy costs come from fashion-mnist/resnet8, 5 seeds, to dense's final accuracy - 0.5 points "
              "(docs/results.md); "
              "other models may need more or fewer extra steps."]
