@@ -126,9 +126,9 @@ def test_cli_fashion_mnist(tmp_path, capsys):
     assert {"profile", "ccr", "dense_allreduce_s", "predictions", "choice", "reason", "notes", "command",
             "bucket_cap_mb"} <= set(d)
     assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
-    # every candidate, plus the measured dense tails scaled to the budget (700 of 936 -> 350 of 468)
-    tails = {f"{base}:dense_from={tail // 2}" for base, tail in map(split_dense_tail, (r.entry for r in MEASURED_COSTS
-                                                                                    if r.optimizer == "sgd")) if tail}
+    # every candidate, plus the measured dense tails scaled to the budget (700 of 936 and 467 of 624 -> 350 of 468)
+    tails = {f"{split_dense_tail(r.entry)[0]}:dense_from={round(split_dense_tail(r.entry)[1] * 468 / r.budget_steps)}"
+             for r in MEASURED_COSTS if r.optimizer == "sgd" and split_dense_tail(r.entry)[1]}
     assert "powersgd:matrix_approximation_rank=4:dense_from=350" in tails
     assert d["ccr"] > 0 and {p["entry"] for p in d["predictions"]} == {*ENTRIES, *tails}
     assert d["choice"]["entry"] in {*ENTRIES, *tails}

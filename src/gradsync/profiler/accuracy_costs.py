@@ -112,6 +112,15 @@ _OVERLAP_ROW = AccuracyCost("", 0, _OVERLAP_DENSE_STEPS, 2, 5, _FMNIST, _OVERLAP
                             budget_steps=_BUDGET, model="fashion-mnist:resnet8")
 _EXTRA_ROW = AccuracyCost("", 0, 819, 2, 3, _FMNIST, _OVERLAP_TARGET, _EXTRA_GRID, budget_steps=_BUDGET,
                           model="fashion-mnist:resnet8")
+_THREE_TARGET = "dense's mean final accuracy - 0.5 points (88.88 %), one-cycle recipe, 2 epochs (624 steps), 3 ranks"
+_THREE_GRID = ("docs/results.md, 'Time to quality at 3 hosts, 5 seeds (gradsync sweep)': gradsync sweep --algorithms "
+               "allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8,"
+               "powersgd-overlap:matrix_approximation_rank=4:dense_from=467,auto --seeds 0,1,2,3,4 --hosts 3 "
+               "--bandwidths 5,15,40 --epochs 2 --eval-every 26 --out runs/grid3-overlap (the overlap grid's machine); "
+               "steps: olympic mean over 5 seeds")
+# dense all-reduce at 3 ranks: 572/494/546/546/598 steps
+_THREE_ROW = AccuracyCost("", 0, 555, 3, 5, _FMNIST, _THREE_TARGET, _THREE_GRID, budget_steps=624,
+                          model="fashion-mnist:resnet8")
 _KJV_ROW = AccuracyCost("", 0, 360, 2, 3, _KJV, _KJV_TARGET, _KJV_GRID, optimizer="adamw", budget_steps=400,
                         model="kjv-transformer:char-transformer")
 
@@ -147,6 +156,12 @@ MEASURED_COSTS: tuple[AccuracyCost, ...] = (
     _row(_OVERLAP_ROW, "powersgd-overlap:matrix_approximation_rank=8", 780),             # 858/780/780/780/780
     _row(_OVERLAP_ROW, "powersgd-overlap:matrix_approximation_rank=4:dense_from=700", 858),  # 897/858/780/-/819
     _row(_EXTRA_ROW, "topk:density=0.01", 936, not_reached=True),                    # 0 of 3 (88.22 %)
+    # 3 ranks (advise takes the row closest in world size)
+    _row(_THREE_ROW, "fp16", 563),                                                       # 572/572/572/546/546
+    _row(_THREE_ROW, "powersgd:matrix_approximation_rank=8", 598),                       # 598/598/572/-/598
+    _row(_THREE_ROW, "powersgd-overlap:matrix_approximation_rank=8", 624, not_reached=True),  # 598/572/572/-/-
+    _row(_THREE_ROW, "powersgd-overlap:matrix_approximation_rank=4:dense_from=467", 624,
+         not_reached=True),                                                              # -/572/572/-/-
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4", 936, not_reached=True),  # reached on 3 of 5 seeds
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=16", 858),                   # 858/858/858/858/819
     _row(_TAIL_ROW, "powersgd:matrix_approximation_rank=4:dense_from=700", 910),     # 936/858/897/-/897
