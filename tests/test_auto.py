@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gradsync.profiler.accuracy_costs import AccuracyCost
+from gradsync.profiler.advise import advise
 from gradsync.profiler.auto import choose, effective_bandwidth_mbit
 from gradsync.profiler.profile import ccr_at
 from gradsync.sim import synthetic_profile
@@ -117,6 +118,31 @@ def test_a_models_own_accuracy_costs_replace_another_models():
     assert get_workload("fashion-mnist", "resnet8-w32").key == workload_key("fashion-mnist:resnet8-w32") == \
         "fashion-mnist:resnet8-w32"
     assert workload_key("fashion-mnist") == "fashion-mnist:resnet8" and workload_key("resnet18") is None
+
+
+def test_the_rows_of_the_nearest_world_size_advise_alone():
+    """A cost does not carry across world sizes either: a 3-rank job is advised from the 3-rank rows
+    alone (a setting measured only at 2 ranks is then not measured), a 4-rank job from the nearest."""
+    from gradsync.profiler.accuracy_costs import MEASURED_COSTS, rows_for_world_size
+
+    two = [_cost("fp16", 200), _cost("powersgd:matrix_approximation_rank=4", 200)]
+    three = [dataclasses.replace(_cost("fp16", 200), world_size=3),
+             dataclasses.replace(_cost("powersgd:matrix_approximation_rank=4", 300), world_size=3, not_reached=True)]
+    costs = two + three
+    assert rows_for_world_size(costs, 2) == two and rows_for_world_size(costs, 3) == three
+    assert rows_for_world_size(costs, 8) == three and rows_for_world_size([], 3) == []
+    slow = 0.30
+    assert choose(PROFILE, 2, slow, "sgd", costs).choice.entry == "powersgd:matrix_approximation_rank=4"
+    pick = choose(PROFILE, 3, slow, "sgd", costs)
+    assert pick.choice.entry == "fp16" and "3 ranks" in pick.reason
+    # the published rows: at 3 ranks bf16 (measured at 2 only) is not measured, and the overlapped tail is
+    # offered from its 3-rank row (467 of 624), which missed the target
+    a = advise(PROFILE, 3, 20, budget_steps=624, optimizer="sgd", model_key="fashion-mnist:resnet8",
+               assume_casts=False)
+    assert {p.entry for p in a.predictions if p.cost == "not measured"} >= {"bf16"}
+    tail = next(p for p in a.predictions if p.entry == "powersgd-overlap:matrix_approximation_rank=4:dense_from=467")
+    assert tail.cost.startswith("missed the target") and "3 ranks" in tail.cost
+    assert all(c.world_size == 3 for c in rows_for_world_size(MEASURED_COSTS, 3))
 
 
 @pytest.mark.parametrize("kwargs, name", [

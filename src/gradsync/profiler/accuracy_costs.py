@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["AccuracyCost", "MEASURED_COSTS", "LOSSLESS", "rows_for_model"]
+__all__ = ["AccuracyCost", "MEASURED_COSTS", "LOSSLESS", "rows_for_model", "rows_for_world_size"]
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ def _row(grid: AccuracyCost, entry: str, steps: int, not_reached: bool = False) 
 
 #: Every published measurement (docs/results.md), SGD with Nesterov momentum unless ``optimizer`` says
 #: otherwise. Several rows may cover one
-#: setting (different world sizes); :func:`gradsync.profiler.advise.advise` uses the one closest in world
-#: size. A setting that missed the target on 2 or more of the 5 seeds (so the olympic mean keeps a seed
+#: setting (different world sizes); :func:`gradsync.profiler.advise.advise` uses the rows of the world size
+#: closest to the job's (:func:`rows_for_world_size`). A setting that missed the target on 2 or more of the 5 seeds (so the olympic mean keeps a seed
 #: that never reached it) is ``not_reached``; its ``steps`` are the budget, a lower bound. A newer grid's
 #: rows replace an older grid's where both measured a setting (overlap > dense-tail > first grid); each
 #: row's cost is relative to dense in its own grid.
@@ -199,3 +199,14 @@ def rows_for_model(costs: Sequence[AccuracyCost], model: str | None) -> list[Acc
     seeds of the ResNet-8 and on 1 of 3 at twice its width), else every row; ``None``: every row."""
     own = [c for c in costs if model is not None and c.model == model]
     return own if own else list(costs)
+
+
+def rows_for_world_size(costs: Sequence[AccuracyCost], world_size: int) -> list[AccuracyCost]:
+    """The rows of ``costs`` measured at the world size closest to ``world_size`` (ranks): a cost does not
+    carry from one world size to another either (gradsync's PowerSGD r=8 overlapped with backward reached
+    the target on 5 of 5 seeds at 2 ranks and on 3 of 5 at 3), and mixing rows of two world sizes would
+    rank one setting by one count of steps against another by another. Empty ``costs``: empty."""
+    if not costs:
+        return []
+    nearest = min(abs(c.world_size - world_size) for c in costs)
+    return [c for c in costs if abs(c.world_size - world_size) == nearest]

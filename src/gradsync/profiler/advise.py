@@ -37,7 +37,7 @@ from ..sim.engine import simulate
 from ..sim.plans import AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16Plan, PowerSGDPlan, TopKPlan
 from ..sim.profile import Profile, ProfileBucket, load_profile
 from ..validation import check_float, check_int
-from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost, rows_for_model
+from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost, rows_for_model, rows_for_world_size
 from .profile import ccr_at
 
 __all__ = ["Advice", "Prediction", "advise", "candidates", "tail_candidates", "train_command", "CASTS", "LOW_CCR",
@@ -212,7 +212,9 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
             16-bit buckets in DDP order).
         world_size: ranks, >= 2.
         bandwidth_mbit: link rate in Mbit/s, > 0.
-        costs: measured accuracy costs (default: the README's, :data:`MEASURED_COSTS`).
+        costs: measured accuracy costs (default: the README's, :data:`MEASURED_COSTS`); only the rows of
+            the world size closest to ``world_size`` count
+            (:func:`~gradsync.profiler.accuracy_costs.rows_for_world_size`).
         latency_s: per-message latency alpha in seconds, >= 0.
         overlap_efficiency: (0, 1], rate of communication during backward (see
             :func:`gradsync.sim.simulate`).
@@ -239,6 +241,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         costs = [c for c in costs if c.optimizer == optimizer]
     costs = rows_for_model(costs, model_key)
     world_size = check_int("world_size", world_size, 2)
+    costs = rows_for_world_size(costs, world_size)
     bandwidth_mbit = check_float("bandwidth_mbit", bandwidth_mbit, 0.0, 1e9, low_inclusive=False)
     net = Network.from_mbit(bandwidth_mbit, latency_s)
     ccr = ccr_at(prof, world_size, bandwidth_mbit, latency_s)
