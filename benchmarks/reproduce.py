@@ -262,8 +262,15 @@ EXPERIMENTS = [
     ], sweep_table, root=True),
     Experiment("sweep-3-hosts", "Results: time to quality at 3 hosts (gradsync sweep)", [
         Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
-                               "powersgd:matrix_approximation_rank=4:dense_from=467,auto", "--seeds", "0,1,2",
-                               "--hosts", "3", "--bandwidths", "5,15", "--epochs", "2", "--eval-every", "26"],
+                               "powersgd-overlap:matrix_approximation_rank=8,"
+                               "powersgd-overlap:matrix_approximation_rank=4:dense_from=467,auto", "--seeds", "0,1,2,3,4",
+                               "--hosts", "3", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"],
+            quick=["--seeds", "0", *SWEEP_QUICK]),
+    ], sweep_table, root=True),
+    Experiment("sweep-grid-cells", "Results: grid cells, COVAP with fp32 shards and top-k (gradsync sweep)", [
+        Run("sweep", "sweep", ["--quality-target", "0.89266", "--algorithms", "covap:ratio=2,covap:ratio=4,topk:density=0.01",
+                               "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2",
+                               "--eval-every", "39"],
             quick=["--seeds", "0", *SWEEP_QUICK]),
     ], sweep_table, root=True),
     Experiment("sweep-bf16", "Results: the bf16 hook under the recipe (gradsync sweep)", [
