@@ -156,6 +156,12 @@ def sweep_table(out: Path, runs: list[Run]) -> str:
     return "\n".join(parts)
 
 
+def _sweep(name: str, title: str, args: list[str], quick: tuple[str, ...] = ()) -> "Experiment":
+    """A one-sweep experiment whose ``--quick`` form trains seed 0 for a few steps (plus ``quick``)."""
+    return Experiment(name, title, [Run("sweep", "sweep", args, quick=["--seeds", "0", *quick, *SWEEP_QUICK])],
+                      sweep_table, root=True)
+
+
 # ------------------------------------------------------------------------------------- experiments
 DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
         "powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0", "--hosts", "2", "--bandwidths", "5", "--epochs", "2", "--eval-every", "39",
@@ -260,38 +266,29 @@ EXPERIMENTS = [
     Experiment("sweep-tails", "Results: time to quality of PowerSGD ranks, dense tails and auto (gradsync sweep)", [
         _fmnist_grid(TAIL_ENTRIES, validate="powersgd:matrix_approximation_rank=4:dense_from=700"),
     ], sweep_table, root=True),
-    Experiment("sweep-3-hosts", "Results: time to quality at 3 hosts (gradsync sweep)", [
-        Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
-                               "powersgd-overlap:matrix_approximation_rank=8,"
-                               "powersgd-overlap:matrix_approximation_rank=4:dense_from=467,auto", "--seeds", "0,1,2,3,4",
-                               "--hosts", "3", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"],
-            quick=["--seeds", "0", *SWEEP_QUICK]),
-    ], sweep_table, root=True),
-    Experiment("sweep-grid-cells", "Results: grid cells, COVAP with fp32 shards and top-k (gradsync sweep)", [
-        Run("sweep", "sweep", ["--quality-target", "0.89266", "--algorithms", "covap:ratio=2,covap:ratio=4,topk:density=0.01",
-                               "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2",
-                               "--eval-every", "39"],
-            quick=["--seeds", "0", *SWEEP_QUICK]),
-    ], sweep_table, root=True),
-    Experiment("sweep-bf16", "Results: the bf16 hook under the recipe (gradsync sweep)", [
-        Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,bf16", "--seeds", "0,1,2,3,4", "--hosts", "2",
-                               "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
-            quick=["--seeds", "0", *SWEEP_QUICK]),
-    ], sweep_table, root=True),
-    Experiment("sweep-overlap", "Results: time to quality with PowerSGD overlapped with backward (gradsync sweep)", [
-        Run("sweep", "sweep", ["--algorithms", "allreduce,fp16,bf16,powersgd:matrix_approximation_rank=8,"
-                               "powersgd-overlap:matrix_approximation_rank=8,"
-                               "powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2,3,4",
-                               "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"],
-            quick=["--seeds", "0", *SWEEP_QUICK]),
-    ], sweep_table, root=True),
-    Experiment("sweep-wide-cnn", "Results: time to quality on the larger CNN (ResNet-8 at width 32; gradsync sweep)", [
-        Run("sweep", "sweep", ["--model", "resnet8-w32", "--algorithms",
-                               "allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
-                               "powersgd:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2",
-                               "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"],
-            quick=["--seeds", "0", "--model", "resnet8-w32", *SWEEP_QUICK]),
-    ], sweep_table, root=True),
+    _sweep("sweep-3-hosts", "Results: time to quality at 3 hosts (gradsync sweep)",
+           ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
+            "powersgd-overlap:matrix_approximation_rank=8,"
+            "powersgd-overlap:matrix_approximation_rank=4:dense_from=467,auto", "--seeds", "0,1,2,3,4",
+            "--hosts", "3", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"]),
+    _sweep("sweep-grid-cells", "Results: grid cells, COVAP with fp32 shards and top-k (gradsync sweep)",
+           ["--quality-target", "0.89266", "--algorithms", "covap:ratio=2,covap:ratio=4,topk:density=0.01",
+            "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2",
+            "--eval-every", "39"]),
+    _sweep("sweep-bf16", "Results: the bf16 hook under the recipe (gradsync sweep)",
+           ["--algorithms", "allreduce,fp16,bf16", "--seeds", "0,1,2,3,4", "--hosts", "2",
+            "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"]),
+    _sweep("sweep-overlap", "Results: time to quality with PowerSGD overlapped with backward (gradsync sweep)",
+           ["--algorithms", "allreduce,fp16,bf16,powersgd:matrix_approximation_rank=8,"
+            "powersgd-overlap:matrix_approximation_rank=8,"
+            "powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2,3,4",
+            "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "39"]),
+    _sweep("sweep-wide-cnn", "Results: time to quality on the larger CNN (ResNet-8 at width 32; gradsync sweep)",
+           ["--model", "resnet8-w32", "--algorithms",
+            "allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
+            "powersgd:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2",
+            "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"],
+           quick=("--model", "resnet8-w32")),
     Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
         Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
                                "allreduce,fp16,powersgd:matrix_approximation_rank=4:dense_from=300,auto",
