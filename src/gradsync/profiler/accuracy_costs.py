@@ -141,10 +141,11 @@ def _row(grid: AccuracyCost, entry: str, steps: int, not_reached: bool = False) 
 
 
 #: Every published measurement (docs/results.md), SGD with Nesterov momentum unless ``optimizer`` says
-#: otherwise. Several rows may cover one
-#: setting (different world sizes); :func:`gradsync.profiler.advise.advise` uses the rows of the world size
-#: closest to the job's (:func:`rows_for_world_size`). A setting that missed the target on 2 or more of the 5 seeds (so the olympic mean keeps a seed
-#: that never reached it) is ``not_reached``; its ``steps`` are the budget, a lower bound. A newer grid's
+#: otherwise. Several rows may cover one setting (different world sizes);
+#: :func:`gradsync.profiler.advise.advise` uses the rows of the world size closest to the job's
+#: (:func:`rows_for_world_size`). A setting that missed the target on 2 or more of the 5 seeds (so the
+#: olympic mean keeps a seed that never reached it) is ``not_reached``; its ``steps`` are the budget, a
+#: lower bound. A newer grid's
 #: rows replace an older grid's where both measured a setting (overlap > dense-tail > first grid); each
 #: row's cost is relative to dense in its own grid.
 MEASURED_COSTS: tuple[AccuracyCost, ...] = (
@@ -156,7 +157,7 @@ MEASURED_COSTS: tuple[AccuracyCost, ...] = (
     _row(_OVERLAP_ROW, "powersgd-overlap:matrix_approximation_rank=8", 780),             # 858/780/780/780/780
     _row(_OVERLAP_ROW, "powersgd-overlap:matrix_approximation_rank=4:dense_from=700", 858),  # 897/858/780/-/819
     _row(_EXTRA_ROW, "topk:density=0.01", 936, not_reached=True),                    # 0 of 3 (88.22 %)
-    # 3 ranks (advise takes the row closest in world size)
+    # 3 ranks: a 3-rank job is advised from these rows alone (rows_for_world_size)
     _row(_THREE_ROW, "fp16", 563),                                                       # 572/572/572/546/546
     _row(_THREE_ROW, "powersgd:matrix_approximation_rank=8", 598),                       # 598/598/572/-/598
     _row(_THREE_ROW, "powersgd-overlap:matrix_approximation_rank=8", 624, not_reached=True),  # 598/572/572/-/-
