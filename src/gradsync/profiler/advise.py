@@ -159,19 +159,20 @@ class Advice:
         return d
 
 
-def _cost_row(entry: str, world_size: int, costs: Sequence[AccuracyCost]) -> AccuracyCost | None:
-    """The measurement of ``entry`` closest in world size to ``world_size`` (then: most seeds)."""
+def _cost_row(entry: str, costs: Sequence[AccuracyCost]) -> AccuracyCost | None:
+    """The measurement of ``entry`` over the most seeds (``costs`` hold one world size:
+    :func:`~gradsync.profiler.accuracy_costs.rows_for_world_size`)."""
     rows = [c for c in costs if c.entry == entry]
-    return min(rows, key=lambda c: (abs(c.world_size - world_size), -c.seeds)) if rows else None
+    return max(rows, key=lambda c: c.seeds) if rows else None
 
 
-def _cost(entry: str, world_size: int, costs: Sequence[AccuracyCost],
+def _cost(entry: str, costs: Sequence[AccuracyCost],
           assume_casts: bool = True) -> tuple[float | None, str, str | None]:
     """``(extra_steps, cost in words, source)`` of ``entry``; a 16-bit cast without a measurement
     counts as lossless only with ``assume_casts``."""
     if entry in LOSSLESS:
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
-    row = _cost_row(entry, world_size, costs)
+    row = _cost_row(entry, costs)
     if row is not None:
         return _row_cost(row)
     if entry in CASTS and assume_casts:
@@ -250,7 +251,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         if entry != "allreduce" and not allowed(entry):
             continue
         t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
-        extra, cost, source = _cost(entry, world_size, costs, assume_casts)
+        extra, cost, source = _cost(entry, costs, assume_casts)
         rows.append(Prediction(entry, label, t, 0.0, extra, cost, source, None if extra is None else t * (1 + extra)))
     for entry, label, plan, row in tail_candidates(costs, budget_steps) if budget_steps is not None else ():
         if not allowed(entry):
