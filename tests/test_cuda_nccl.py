@@ -468,3 +468,74 @@ def test_covap_adaptive_k_times_the_device(covap_job):
         assert r["restored_finite"] and r["remapped"] > 0
     assert len({tuple(r["ks"]) for r in results}) == 1, "every rank uses the same K at every step"
     assert len({r["ccr"] for r in results}) == 1
+
+
+def _resume_job(rank, world, device):
+    """Every hook algorithm (and dear-covap) through the synchroniser ``gradsync train`` builds:
+    trained on the device, its ``state_dict()`` written and read back as a checkpoint is
+    (``torch.load(map_location="cpu", weights_only=True)``), loaded into a fresh synchroniser and
+    trained on: the loaded state's tensors are on the device and the training continues. Before
+    the synchroniser moved the loaded state, powersgd's first compressed step mixed CPU residuals
+    with CUDA gradients."""
+    import io
+
+    from torch import nn
+
+    from gradsync.algorithms import REGISTRY, BuildContext, build
+    from gradsync.algorithms.state_io import map_tree
+
+    def make(name):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10)).to(device)
+        ctx = BuildContext(model=model, make_optimizer=lambda p: torch.optim.SGD(p, lr=0.05), bucket_cap_mb=0.01,
+                           device=device, batch_size=8, steps_per_epoch=3)
+        keys = REGISTRY[name].options.keys()
+        return build(name, ctx, {k: v for k, v in OPTIONS.items() if k in keys})
+
+    gen = torch.Generator().manual_seed(rank)
+    data = [(torch.randn(8, 32, generator=gen).to(device), torch.randint(0, 10, (8,), generator=gen).to(device))
+            for _ in range(STEPS)]
+    names = sorted(n for n, s in REGISTRY.items() if s.make_hook is not None and n not in CPU_ONLY) + ["dear-covap"]
+    out = {}
+    for name in names:
+        try:
+            dp = make(name)
+            dp.warm_up(data[:2], nn.functional.cross_entropy)  # DDP rebuilds its buckets, as gradsync train
+            for x, y in data:
+                dp.train_step(x, y, nn.functional.cross_entropy)
+            buf = io.BytesIO()
+            torch.save(dp.state_dict(), buf)
+            buf.seek(0)
+            saved = torch.load(buf, map_location="cpu", weights_only=True)
+            dp.close()
+            fresh = make(name)
+            fresh.warm_up(data[:2], nn.functional.cross_entropy)
+            fresh.load_state_dict(saved)
+            devices = set()
+            algo = fresh.algorithm.state_dict() if name != "dear-covap" else fresh.state_dict()["dear"]
+            map_tree(algo, lambda t, p: devices.add(str(t.device))
+                     if isinstance(t, torch.Tensor) and "rng_state" not in p and "__gradsync_" not in p else None)
+            losses = [fresh.train_step(x, y, nn.functional.cross_entropy).item() for x, y in data[:2]]
+            out[name] = {"devices": sorted(devices), "finite": all(v == v and abs(v) < 1e9 for v in losses)}
+            fresh.close()
+        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def resume_job():
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return world, _run(_resume_job, world)
+
+
+def test_every_algorithm_resumes_on_the_device_from_a_cpu_checkpoint(resume_job):
+    _, results = resume_job
+    for rank, res in enumerate(results):
+        errors = {n: r["error"] for n, r in res.items() if "error" in r}
+        assert not errors, f"rank {rank}: {errors}"
+        assert {"powersgd", "powersgd-overlap", "covap"} <= set(res)
+        off = {n: r["devices"] for n, r in res.items() if not all(_on_device(d) for d in r["devices"])}
+        assert not off, f"rank {rank}: loaded state not on the device: {off}"
+        assert all(r["finite"] for r in res.values()), res
+        assert res["powersgd"]["devices"], "powersgd's loaded state holds its residuals"

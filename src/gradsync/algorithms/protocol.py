@@ -10,9 +10,12 @@ methods below, never probes for attributes; an algorithm overrides what it has.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
+
+from .state_io import from_safe, to_safe
 
 
 class Algorithm:
@@ -21,6 +24,18 @@ class Algorithm:
 
     #: True when the algorithm chooses a setting from the measured CCR (then :meth:`calibrate` is called).
     needs_ccr: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every subclass's own ``state_dict`` returns the weights-only loadable form
+        (:func:`~gradsync.algorithms.state_io.to_safe`) and its ``load_state_dict`` accepts it
+        (:func:`~gradsync.algorithms.state_io.from_safe` first): one safe form for every algorithm,
+        whatever it keeps (numpy generators, arrays), for every entry point that saves it."""
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "state_dict" in own and not getattr(own["state_dict"], "_gradsync_safe", False):
+            cls.state_dict = _safe_state_dict(own["state_dict"])
+        if "load_state_dict" in own and not getattr(own["load_state_dict"], "_gradsync_safe", False):
+            cls.load_state_dict = _safe_load_state_dict(own["load_state_dict"])
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:
@@ -66,3 +81,21 @@ class Algorithm:
     def close(self) -> None:
         """Release what the algorithm attached (hooks, threads) at the end of training; the object
         stays readable (:meth:`stats`). Default: nothing."""
+
+
+def _safe_state_dict(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def state_dict(self: Any) -> dict[str, Any]:
+        return to_safe(fn(self), f"{type(self).__name__}.state_dict()")
+
+    state_dict._gradsync_safe = True  # type: ignore[attr-defined]
+    return state_dict
+
+
+def _safe_load_state_dict(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def load_state_dict(self: Any, state: dict[str, Any]) -> None:
+        return fn(self, from_safe(state))
+
+    load_state_dict._gradsync_safe = True  # type: ignore[attr-defined]
+    return load_state_dict

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..compressors.cast import CAST_DTYPES
 from .protocol import Algorithm
+from .state_io import from_safe, load_state, map_tensors, module_device
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -242,10 +243,13 @@ class HookSynchroniser(_Common):
         return self.state.config()
 
     def state_dict(self) -> dict[str, Any]:
+        """The hook state's ``state_dict()`` (weights-only loadable, as every algorithm's)."""
         return self.state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state)
+        """Load a :meth:`state_dict` (read on the CPU) into the hook state, every tensor moved to
+        the module's device first (:func:`~gradsync.algorithms.state_io.load_state`)."""
+        load_state(self.state, state, module_device(self.module))
 
     def close(self) -> None:
         """The state's :meth:`~gradsync.algorithms.protocol.Algorithm.close` (COVAP removes its
@@ -308,6 +312,14 @@ class DeARSynchroniser(_Common):
         return self.wrapper.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """DeAR's ``load_state_dict`` (model and optimizer through torch's loaders, which place them);
+        the filter's state moved to the module's device first, as a hook's state is
+        (:func:`~gradsync.algorithms.state_io.load_state`)."""
+        device = module_device(self.module)
+        dear = state.get("dear")
+        if device is not None and isinstance(dear, dict) and dear.get("grad_filter") is not None:
+            moved = map_tensors(from_safe(dear["grad_filter"]), lambda t: t.to(device))
+            state = {**state, "dear": {**dear, "grad_filter": moved}}
         self.wrapper.load_state_dict(state)
 
     def close(self) -> None:

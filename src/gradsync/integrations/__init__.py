@@ -116,16 +116,6 @@ def find_ddp(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
     return None
 
 
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
-
-
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -136,14 +126,18 @@ def gather_hook_state(algorithm: str, state: Any) -> dict[str, Any]:
     """Collect every rank's ``state.state_dict()`` on rank 0 for a checkpoint that rank 0 writes.
 
     A collective on the default group: every rank must call it (Lightning's ``trainer.save_checkpoint``
-    and Accelerate's ``save_state`` are called on all ranks). Tensors are copied to the CPU.
+    and Accelerate's ``save_state`` are called on all ranks). Tensors are copied to the CPU; the
+    state is in its weights-only loadable form (every algorithm's ``state_dict()`` is), so the
+    payload reads back with ``torch.load(weights_only=True)``.
 
     Returns:
         ``{"format": 1, "algorithm": str, "world_size": W, "ranks": [state_dict of rank 0..W-1]}`` on
         rank 0; on the other ranks ``"ranks"`` is ``None`` (their copy is not written).
     """
+    from ..algorithms.state_io import map_tensors
+
     rank, world = _world()
-    local = _map_tensors(state.state_dict(), lambda t: t.detach().to("cpu", copy=True))
+    local = map_tensors(state.state_dict(), lambda t: t.detach().to("cpu", copy=True))
     if world == 1:
         ranks: list[Any] | None = [local]
     else:
@@ -160,7 +154,8 @@ def load_hook_state(algorithm: str, state: Any, payload: dict[str, Any],
         algorithm: the algorithm ``state`` belongs to; must be the one the payload was saved from.
         state: the hook state to restore (``load_state_dict`` is called on it).
         payload: the dict :func:`gather_hook_state` returned on rank 0.
-        device: device the state's tensors (residuals) are moved to: the model's device.
+        device: device the state's tensors (residuals) are moved to: the model's device
+            (:func:`gradsync.algorithms.state_io.load_state`, as ``gradsync train`` loads).
 
     Raises:
         ValueError: if the payload is of another format or algorithm, was written by a rank other
@@ -181,10 +176,9 @@ def load_hook_state(algorithm: str, state: Any, payload: dict[str, Any],
     if payload["ranks"] is None:
         raise ValueError("checkpoint was written by a rank other than 0 and holds no gradsync hook state; "
                          "load the checkpoint rank 0 wrote")
-    entry = payload["ranks"][rank]
-    if device is not None:
-        entry = _map_tensors(entry, lambda t: t.to(device))
-    state.load_state_dict(entry)
+    from ..algorithms.state_io import load_state
+
+    load_state(state, payload["ranks"][rank], device)
 
 
 __all__ = ["PAYLOAD_FORMAT", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "framework_attribute",

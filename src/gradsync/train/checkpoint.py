@@ -18,7 +18,6 @@ hold them) are stored as tagged tensors and turned back into numpy on load (:fun
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import json
@@ -33,76 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# the one safe (weights-only loadable) form of a payload, also that of every algorithm's state_dict()
+from ..algorithms.state_io import from_safe, to_safe  # noqa: F401  (re-exported)
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 _NAME = re.compile(r"^(epoch|step)(\d+)$")
 _MANIFEST = re.compile(r"^manifest(\.node\d+)?\.json$")
-
-
-_ND, _NS, _RS = "__gradsync_ndarray__", "__gradsync_npscalar__", "__gradsync_randomstate__"
-_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device,
-                torch.Size)
-
-
-def _map_dict(d: dict, fn: Any) -> dict:
-    """``d`` with every value ``v`` replaced by ``fn(k, v)``; a dict subclass keeps its type and
-    attributes (a module state_dict's ``_metadata``)."""
-    if type(d) is dict:
-        return {k: fn(k, v) for k, v in d.items()}
-    out = copy.copy(d)
-    for k, v in d.items():
-        out[k] = fn(k, v)
-    return out
-
-
-def to_safe(obj: Any, path: str = "payload") -> Any:
-    """``obj`` with numpy arrays, numpy scalars and ``numpy.random.RandomState`` objects replaced by
-    tagged dicts of tensors, so ``torch.load(weights_only=True)`` reads it; :func:`from_safe` undoes it.
-
-    Raises:
-        TypeError: naming the entry (``payload.algorithm.x``) whose type ``weights_only`` loading
-            rejects and that has no conversion (a custom class, an object array, ...).
-    """
-    import numpy as np
-
-    if isinstance(obj, _SAFE_LEAVES):
-        return obj
-    if isinstance(obj, dict):
-        return _map_dict(obj, lambda k, v: to_safe(v, f"{path}.{k}"))
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(to_safe(v, f"{path}[{i}]") for i, v in enumerate(obj))
-    if isinstance(obj, np.ndarray) and obj.dtype != object:
-        return {_ND: torch.from_numpy(np.ascontiguousarray(obj)).clone()}
-    if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-        return {_NS: torch.from_numpy(np.asarray(obj).reshape(1)).clone()}
-    if isinstance(obj, np.random.RandomState):
-        name, keys, pos, has_gauss, cached = obj.get_state()
-        return {_RS: (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
-    raise TypeError(f"checkpoint: {path} is a {type(obj).__module__}.{type(obj).__qualname__}, which "
-                    "torch.load(weights_only=True) cannot read; store tensors, numbers, strings, lists, "
-                    "tuples or dicts in state_dict()")
-
-
-def from_safe(obj: Any) -> Any:
-    """Undo :func:`to_safe`."""
-    import numpy as np
-
-    if isinstance(obj, dict):
-        if len(obj) == 1:
-            (key, value), = obj.items()
-            if key == _ND:
-                return value.numpy().copy()
-            if key == _NS:
-                return value.numpy()[0]
-            if key == _RS:
-                name, keys, pos, has_gauss, cached = value
-                rs = np.random.RandomState()
-                rs.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-                return rs
-        return _map_dict(obj, lambda k, v: from_safe(v))
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(from_safe(v) for v in obj)
-    return obj
 
 
 class IncompleteCheckpoint(RuntimeError):

@@ -209,7 +209,8 @@ class OscarState(OrderedBucketWorker, HookState):
         self.zero_mask = {int(k): v.clone() for k, v in state["zero_mask"].items()}
         self.coders = _coders_from_state(state["coders"])
         self._generator = None
-        self._rng_state = None if state["rng_state"] is None else state["rng_state"].clone()
+        # a generator state is a CPU tensor whatever device the rest of the state was moved to
+        self._rng_state = None if state["rng_state"] is None else state["rng_state"].to("cpu", copy=True)
 
     def _gen_state(self) -> torch.Tensor | None:
         if self._generator is not None:
