@@ -70,3 +70,39 @@ def test_dense_tail_in_chunks_is_bitwise_torchs_fp16_hook_on_two_ranks():
             assert torch.equal(tail[r][0][step], fp16[r][0][step])
     stats = tail[0][2]
     assert stats["collectives"] == dense_from + 3 * (steps - dense_from)
+
+
+def _several_buckets(rank, world, steps):
+    import torch.nn.functional as F
+    from every_algorithm import batches, small_model
+
+    from gradsync.algorithms import build_hook
+
+    model = small_model()
+    ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets (a user's DDP with its own bucket size)
+    state, hook = build_hook("powersgd", model=model, matrix_approximation_rank=2)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    try:
+        for x, y in batches(rank, steps):
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return type(exc).__name__, str(exc)
+    return "trained", ""
+
+
+def test_powersgd_through_build_hook_on_several_gloo_buckets_refuses_on_every_rank_instead_of_hanging():
+    """torch's PowerSGD hook launches its second all-reduce from a ``.then`` callback, which Gloo
+    runs in different orders on different ranks when several buckets are in flight: before the hook
+    checked, this run aborted (size mismatch) or hung until the process-group timeout. Every rank
+    must refuse at the first backward with a ValueError that says what to do."""
+    import time
+
+    t0 = time.monotonic()
+    results = run_ranks(_several_buckets, 2, 6, timeout=60, pg_timeout=20)
+    assert time.monotonic() - t0 < 20, "refused well within the process-group timeout"
+    for kind, msg in results:
+        assert kind == "ValueError", (kind, msg)
+        assert "bucket_cap_mb" in msg and "powersgd-overlap" in msg, msg

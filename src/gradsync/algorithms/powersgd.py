@@ -138,6 +138,8 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     (:class:`~gradsync.feedback.finite.FiniteGuard`, no extra collective): a non-finite step
     restores torch's error dict and its warm-start P/Q memories and returns NaN, so GradScaler
     skips it on every rank."""
+    if bucket.index() == 0 and not bucket.is_last():
+        check_one_bucket(state, "powersgd")
     if state.dense_from and state.iteration >= state.dense_from:
         return dense_tail(state, bucket, state.torch_state.error_dict)
     buf = bucket.buffer()
@@ -159,6 +161,23 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
                         collectives=1 if sent == 0 else 2)  # P and Q are all-reduced
     state.end_bucket(bucket)
     return state.guarded(bucket, fut) if compressed else fut
+
+
+def check_one_bucket(state: HookState, name: str) -> None:
+    """Called at bucket 0 of an iteration when it is not the last one (DDP has several buckets):
+    raise the same ``ValueError`` on every rank (the bucket layout is the same on every rank, and no
+    collective of the iteration has been launched yet) unless the group is NCCL. torch's PowerSGD
+    hook launches its second all-reduce from a ``.then`` callback, which Gloo runs on its own threads
+    in different orders on different ranks when several buckets are in flight: the collectives
+    mismatch (an abort, or a hang until the process-group timeout)."""
+    if dist.get_backend(state.process_group) == "nccl":
+        return
+    raise ValueError(
+        f"{name}: DDP has several gradient buckets on a {dist.get_backend(state.process_group)} group, where torch's "
+        "PowerSGD hook mismatches its collectives across ranks (it launches them from future callbacks); give DDP "
+        "one bucket (DistributedDataParallel(model, bucket_cap_mb=...) at least the model's gradient size in MB, "
+        "as gradsync train does for powersgd) or use algorithm 'powersgd-overlap', gradsync's PowerSGD that "
+        "works on every bucket")
 
 
 def dense_tail(state: HookState, bucket: dist.GradBucket,
