@@ -29,11 +29,36 @@ from ..sim.profile import Profile
 from .accuracy_costs import MEASURED_COSTS, AccuracyCost
 from .advise import Advice, advise
 from .ccr import measure_ccr
+from .probe import QUALITY_STEPS
 from .profile import ccr_at, record_profile
 
 __all__ = ["AUTO", "agreed_profile", "effective_bandwidth_mbit", "choose", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
+
+
+def probe_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int, seed: int,
+                  count: int = QUALITY_STEPS, augment: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's first ``count`` training batches of ``batch_size`` samples in the order
+    ``DistributedSampler(shuffle=True, seed=seed)`` gives them (different on every rank, as in
+    training), ``augment`` applied to the inputs: what the probe measures on (:mod:`.probe`). Draws
+    nothing from torch's global random generator but ``augment``'s.
+
+    Raises:
+        ValueError: if ``x`` holds fewer than ``batch_size x world_size`` samples.
+    """
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    if x.shape[0] < batch_size * world_size:
+        raise ValueError(f"batch_size {batch_size} x world size {world_size} exceeds the {x.shape[0]} samples")
+    order = list(DistributedSampler(TensorDataset(x), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                    drop_last=True))
+    batches = []
+    for i in range(count):
+        idx = torch.tensor([order[(i * batch_size + j) % len(order)] for j in range(batch_size)])
+        batches.append((augment(x[idx]), y[idx]))
+    return batches
 
 
 def agreed_profile(prof: Profile, allreduce_s: float, group: Any = None) -> tuple[Profile, float]:

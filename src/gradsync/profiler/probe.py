@@ -1,0 +1,321 @@
+"""Measure candidate settings on the user's own job: iteration time on the real network and
+compression quality on the job's own gradients.
+
+For every candidate (a ``gradsync bench --algorithms`` entry of a communication-hook algorithm) a
+private copy of the model is wrapped in ``DistributedDataParallel`` with the candidate's hook and
+trained for a few steps on the job's batches (each rank its own), on the job's process group:
+
+* **quality steps**: the hook is wrapped by a :class:`QualityMeter`, which all-reduces the raw bucket
+  as well (dense, issued from the hook body before the candidate's own collectives, so every rank
+  issues the same collectives in the same order) and compares the candidate's aggregate ``c`` with the
+  dense average ``d``. The relative error ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over the quality
+  steps and buckets is GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023,
+  arXiv 2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed,
+  aggregated result, which is what the optimizer receives);
+* **timed steps**: the meter is off; the median step time (a device-synchronising clock) is the
+  candidate's iteration time on this network, MAX over the ranks.
+
+The statistics are all-reduced, so every rank holds the same numbers and takes the same decision.
+The probe trains copies: its cost is pure start-up overhead, reported as :attr:`ProbeResult.seconds`.
+"""
+
+# No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+
+import copy
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..comm.collectives import collective_device
+from ..validation import check_int
+from .compute import _device_clock
+
+__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "measure_quality",
+           "quality_proxy", "time_candidates", "START_STEPS", "QUALITY_STEPS"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ProxyBucket:
+    """A stand-in for a DDP ``GradBucket`` over a private copy of its buffer: the same index, last flag
+    and gradient layout, so a second hook can compress the same gradients without touching the real
+    bucket (``buffer()``: ``[numel]`` tensor of the bucket's dtype and device)."""
+
+    def __init__(self, bucket: Any):
+        self._buffer = bucket.buffer().detach().clone()
+        self._index, self._last = bucket.index(), bucket.is_last()
+        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
+        self._grads = [self._buffer[(g.data_ptr() - base) // size:][:g.numel()].view(g.shape)
+                       for g in bucket.gradients()]
+        self._params = bucket.parameters()
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def gradients(self) -> list:
+        return self._grads
+
+    def parameters(self) -> list:
+        return self._params
+
+
+class QualityMeter:
+    """Measures communication hooks against dense all-reduce on the same gradients.
+
+    While :attr:`on`, each bucket is also all-reduced densely (issued from the hook body before any
+    hook's collective, so every rank issues the same collectives in the same order) and every hook's
+    aggregate ``c`` is compared with the dense average ``d``. Off, only the primary hook runs.
+
+    Args:
+        hooks: ``[(state, hook), ...]``; every hook must issue its collectives from the hook body
+            (gradsync's hooks do; torch's ``powerSGD_hook`` does not: meter it as the primary only,
+            on one bucket).
+        primary: the index of the hook that gets the real bucket and whose result DDP receives; None:
+            DDP receives the dense average (every hook works on a :class:`ProxyBucket`).
+        process_group: the group of the collectives.
+
+    Attributes:
+        on: measure this step (set alike on every rank, from the step counter).
+        error_sq, reference_sq: per hook, float64 0-d tensors: ``sum ||c - d||^2`` and ``sum ||d||^2``
+            over the buckets measured since :meth:`reset`.
+        dense_wire_bytes: wire bytes of the meter's own dense all-reduces (ring, ``2(P-1)/P x n``).
+    """
+
+    def __init__(self, hooks: Sequence[tuple[Any, Callable]], primary: Optional[int] = None,
+                 process_group: Any = None):
+        self.hooks = list(hooks)
+        self.primary = primary
+        self.process_group = process_group
+        self.on = False
+        self.dense_wire_bytes = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the sums."""
+        self.error_sq: list[Optional[torch.Tensor]] = [None] * len(self.hooks)
+        self.reference_sq: list[Optional[torch.Tensor]] = [None] * len(self.hooks)
+
+    def sums(self) -> torch.Tensor:
+        """``[len(hooks), 2]`` float64 tensor on the collective device: each hook's ``[error_sq,
+        reference_sq]`` (zeros before any measured bucket), to be all-reduced (:func:`relative_errors`)."""
+        rows = [torch.stack([e, r]).cpu() if e is not None else torch.zeros(2, dtype=torch.float64)
+                for e, r in zip(self.error_sq, self.reference_sq)]
+        return torch.stack(rows).to(collective_device(self.process_group))
+
+    def _add(self, i: int, out: torch.Tensor, dense: torch.Tensor) -> None:
+        e = (out.double() - dense.double()).pow(2).sum()
+        r = dense.double().pow(2).sum()
+        self.error_sq[i] = e if self.error_sq[i] is None else self.error_sq[i] + e
+        self.reference_sq[i] = r if self.reference_sq[i] is None else self.reference_sq[i] + r
+
+
+def relative_errors(sums: torch.Tensor) -> list[float]:
+    """``sqrt(error_sq / reference_sq)`` of each row of :meth:`QualityMeter.sums` (0 where both are 0:
+    nothing measured, or an all-zero gradient)."""
+    return [(e / r) ** 0.5 if r > 0 else 0.0 for e, r in sums.cpu().tolist()]
+
+
+def _value(fut: torch.futures.Future) -> torch.Tensor:
+    v = fut.value()
+    return v[0] if isinstance(v, (list, tuple)) else v
+
+
+def metered_hook(meter: QualityMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The meter's DDP hook (see :class:`QualityMeter`); the comparison runs in a callback that issues
+    no collective."""
+    if not meter.on:
+        state, hook = meter.hooks[meter.primary or 0]
+        return hook(state, bucket)
+    dense = bucket.buffer().detach().clone()
+    world = dist.get_world_size(meter.process_group)
+    meter.dense_wire_bytes += 2 * (world - 1) / world * dense.numel() * dense.element_size()
+    dense_fut = dist.all_reduce(dense, group=meter.process_group, async_op=True).get_future()
+    futs = [hook(state, bucket if i == meter.primary else ProxyBucket(bucket))
+            for i, (state, hook) in enumerate(meter.hooks)]
+
+    def compare(done: torch.futures.Future) -> torch.Tensor:
+        *outs, _ = (_value(f) for f in done.value())
+        average = dense.div_(world)
+        for i, out in enumerate(outs):
+            meter._add(i, out, average)
+        if meter.primary is None:
+            bucket.buffer().copy_(average)
+            return bucket.buffer()
+        return outs[meter.primary]
+
+    return torch.futures.collect_all([*futs, dense_fut]).then(compare)
+
+
+@dataclass(frozen=True)
+class CandidateProbe:
+    """One candidate measured on the job.
+
+    Attributes:
+        entry: the ``--algorithms`` entry.
+        iteration_s: median seconds of a timed step (forward, backward with the hook, optimizer step),
+            MAX over the ranks; None when it was not timed.
+        relative_error: ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over the quality steps (dimensionless;
+            0 for an exact setting), the same on every rank; None when not measured.
+        wire_bytes_per_step: the hook's own wire bytes per timed step (bytes); None when not timed.
+    """
+
+    entry: str
+    iteration_s: Optional[float] = None
+    relative_error: Optional[float] = None
+    wire_bytes_per_step: Optional[float] = None
+
+
+def _hook_pair(entry: str, model: nn.Module, make_optimizer: Any, process_group: Any, seed: int,
+               batch_size: int, steps_per_epoch: int) -> tuple[Any, Callable, bool]:
+    """``(state, hook, single_bucket)`` of a communication-hook entry, built on ``model``.
+
+    Raises:
+        ValueError: for an entry that is not a communication hook.
+    """
+    from ..algorithms import REGISTRY, BuildContext, make_options, parse_entry
+
+    name, options = parse_entry(entry)
+    spec = REGISTRY[name]
+    if spec.make_hook is None:
+        raise ValueError(f"entries: {entry!r} is not a communication hook; only hook algorithms are probed")
+    ctx = BuildContext(model=model, make_optimizer=make_optimizer, process_group=process_group, seed=seed,
+                       batch_size=batch_size, steps_per_epoch=steps_per_epoch)
+    state, hook = spec.make_hook(make_options(name, options), ctx)
+    return state, hook, spec.single_bucket
+
+
+def _ddp(model: nn.Module, process_group: Any, bucket_cap_mb: float) -> DistributedDataParallel:
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
+                                   device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def _train_steps(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, batches: Sequence[Batch],
+                 loss_fn: Callable, steps: range, before: Callable[[int], None] = lambda i: None) -> list[float]:
+    """Train ``ddp`` for the steps in ``steps`` (batches cycled by step number); return each step's
+    seconds on a device-synchronising clock."""
+    clock = _device_clock(ddp.module)
+    times = []
+    for i in steps:
+        before(i)
+        x, y = batches[i % len(batches)]
+        t = clock()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+        times.append(clock() - t)
+    return times
+
+
+#: Measured steps of :func:`measure_quality`: the error of an error-fed compressor grows over its first
+#: steps while the residual builds up (PowerSGD r=4 on the ResNet-8: 0.43 after 4 steps, 0.64 after 8,
+#: 0.87 after 16), so the count is fixed, and the same where the quality model was fitted
+#: (benchmarks/probe_quality.py) and where it is used.
+QUALITY_STEPS = 8
+
+#: Start-up steps of every probe: DDP's bucket rebuild after the first, and the dense start-up
+#: iterations of the PowerSGD hooks (``start_iter`` 2).
+START_STEPS = 2
+
+
+def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
+                    make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
+                    bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
+                    steps_per_epoch: int = 0) -> dict[str, float]:
+    """Collective: the relative error of every entry's aggregate against dense all-reduce on this
+    job's gradients, all entries at once on one copy of ``model`` trained with dense all-reduce
+    (:class:`QualityMeter` with no primary): per step one dense all-reduce plus each entry's own
+    collectives.
+
+    Args:
+        entries: communication hooks that issue their collectives from the hook body (``fp16``,
+            ``bf16``, ``powersgd-overlap:...``, ``allreduce``); torch's ``powersgd`` at rank r is
+            measured as ``powersgd-overlap`` at rank r (the same per-tensor compression rule and error
+            feedback, run per bucket; :func:`quality_proxy`).
+        steps: measured steps (>= 1) after :data:`START_STEPS` start-up steps.
+
+    Returns:
+        ``{entry: relative error}``, identical on every rank.
+
+    Raises:
+        ValueError: for an empty ``batches``, ``steps`` < 1 or an entry that is no communication hook.
+    """
+    if not batches:
+        raise ValueError("batches must hold at least one (inputs, targets) batch")
+    steps = check_int("steps", steps, 1, 1000)
+    measured = list(dict.fromkeys(quality_proxy(e) for e in entries))
+    local = copy.deepcopy(model)
+    pairs = [_hook_pair(e, local, make_optimizer, process_group, seed, int(batches[0][0].shape[0]),
+                        steps_per_epoch)[:2] for e in measured]
+    meter = QualityMeter(pairs, primary=None, process_group=process_group)
+    ddp = _ddp(local, process_group, bucket_cap_mb)
+    ddp.register_comm_hook(meter, metered_hook)
+    opt = make_optimizer(ddp.parameters())
+    _train_steps(ddp, opt, batches, loss_fn, range(START_STEPS + steps),
+                 before=lambda i: setattr(meter, "on", i >= START_STEPS))
+    sums = meter.sums()
+    dist.all_reduce(sums, group=process_group)
+    errors = dict(zip(measured, relative_errors(sums / dist.get_world_size(process_group))))
+    for state, _ in pairs:
+        state.close()
+    return {e: errors[quality_proxy(e)] for e in entries}
+
+
+def quality_proxy(entry: str) -> str:
+    """The entry whose quality stands for ``entry`` in :func:`measure_quality`: torch's ``powersgd``
+    (its Q all-reduce is launched from a callback, so it cannot run beside other hooks on Gloo) is
+    measured as ``powersgd-overlap`` with the same options; a dense tail (``dense_from``) is dropped."""
+    from ..algorithms import split_dense_tail
+
+    base = split_dense_tail(entry)[0]
+    name, _, rest = base.partition(":")
+    return f"powersgd-overlap:{rest}" if name == "powersgd" and rest else base
+
+
+def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
+                    make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
+                    bucket_cap_mb: float, *, steps: int = 3, process_group: Any = None, seed: int = 0,
+                    steps_per_epoch: int = 0) -> dict[str, CandidateProbe]:
+    """Collective: each entry's iteration time on this network, on its own copy of ``model`` in
+    ``DistributedDataParallel`` with its hook (one bucket for an algorithm registered
+    ``single_bucket``): the median of ``steps`` timed steps after :data:`START_STEPS`, MAX over ranks.
+
+    Returns:
+        ``{entry: CandidateProbe}`` with ``iteration_s`` and ``wire_bytes_per_step``, identical on
+        every rank.
+
+    Raises:
+        ValueError: for an empty ``batches``, ``steps`` < 1 or an entry that is no communication hook.
+    """
+    if not batches:
+        raise ValueError("batches must hold at least one (inputs, targets) batch")
+    steps = check_int("steps", steps, 1, 1000)
+    out = {}
+    for entry in entries:
+        local = copy.deepcopy(model)
+        state, hook, single = _hook_pair(entry, local, make_optimizer, process_group, seed,
+                                         int(batches[0][0].shape[0]), steps_per_epoch)
+        ddp = _ddp(local, process_group, 1e4 if single else bucket_cap_mb)
+        ddp.register_comm_hook(state, hook)
+        opt = make_optimizer(ddp.parameters())
+        _train_steps(ddp, opt, batches, loss_fn, range(START_STEPS))
+        wire0 = float(state.stats()["wire_bytes"])
+        times = _train_steps(ddp, opt, batches, loss_fn, range(START_STEPS, START_STEPS + steps))
+        wire = (float(state.stats()["wire_bytes"]) - wire0) / steps
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64,
+                               device=collective_device(process_group))
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=process_group)
+        state.close()
+        out[entry] = CandidateProbe(entry, float(slowest[0]), None, wire)
+    return out
