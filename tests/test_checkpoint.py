@@ -432,3 +432,34 @@ def test_resume_batches_continues_the_data_and_rng_of_the_uninterrupted_epoch():
     nxt, _ = train(iter(loader), 5)
     torch.manual_seed(99)
     assert train(C.resume_batches(loader, end), 5)[0] == nxt
+
+
+# ------------------------------------------------------------------------------- failed saves
+
+
+def _save_with_a_full_disk(rank, world, root, failing):
+    import errno
+
+    if rank == failing:
+        def full(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        C._atomic_write = full  # this forked rank only
+    t0 = time.monotonic()
+    try:
+        C.save_checkpoint(f"{root}/step3", {"rank": rank, "w": torch.ones(4)}, step=3, epoch=0, algorithm="covap")
+    except Exception as exc:  # noqa: BLE001 - the outcome is the result
+        return type(exc).__name__, str(exc), isinstance(exc, OSError), time.monotonic() - t0
+    return "saved", "", False, time.monotonic() - t0
+
+
+def test_a_write_failing_on_one_rank_raises_on_every_rank_promptly(tmp_path):
+    """Rank 1's disk is full: before the ranks agreed on each step's outcome, rank 1 raised and rank
+    0 waited in the digest gather until the process-group timeout (20 s here); now both raise
+    CheckpointSaveError (an OSError) naming rank 1's error, and no manifest vouches for the step."""
+    results = run_ranks(_save_with_a_full_disk, 2, str(tmp_path), 1, timeout=60, pg_timeout=20)
+    for kind, msg, is_os_error, seconds in results:
+        assert kind == "CheckpointSaveError" and is_os_error, (kind, msg)
+        assert "rank 1: OSError" in msg and "No space left on device" in msg, msg
+        assert seconds < 5.0, f"raised after {seconds:.1f} s"
+    assert not list((tmp_path / "step3").glob("manifest*.json"))

@@ -164,16 +164,22 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict[str, Any], *, st
     every rank of the default group must call it (without a process group it saves a one-rank
     checkpoint). Returns ``directory``.
 
-    Order: the node leaders remove the manifests a re-save invalidates; a barrier; every rank
-    writes its file (fsync of file and directory; new directories are fsynced in their parent); an
-    ``all_gather_object`` of the files' sizes and SHA-256 digests (also a barrier); the leaders
-    write the manifests; a barrier. A crash anywhere leaves a directory without a manifest or with
-    one that verifies. Each node needs to see only its own ranks' files (no shared filesystem).
+    Order: the node leaders remove the manifests a re-save invalidates; the ranks agree on the
+    outcome; every rank writes its file (fsync of file and directory; new directories are fsynced
+    in their parent); an ``all_gather_object`` of the files' sizes and SHA-256 digests or of the
+    error; the leaders write the manifests; the ranks agree on the outcome. A crash anywhere leaves
+    a directory without a manifest or with one that verifies. Each node needs to see only its own
+    ranks' files (no shared filesystem). An error on any rank in any step (disk full) raises
+    :class:`CheckpointSaveError` on every rank at the next agreement, never a wait for the
+    process-group timeout.
 
     Args:
         payload: what :func:`load_checkpoint` returns: tensors, numbers, strings, None, numpy
             arrays and ``RandomState`` objects, in lists, tuples and dicts (see :func:`to_safe`).
         step: optimizer steps completed; epoch: the epoch the run continues in.
+
+    Raises:
+        CheckpointSaveError: on every rank, when a step failed on any rank (an ``OSError``).
     """
     directory = Path(directory)
     group = dist.is_available() and dist.is_initialized()
@@ -185,27 +191,54 @@ def save_checkpoint(directory: str | os.PathLike, payload: dict[str, Any], *, st
         nodes = [0]
     node = nodes[rank]
     leader = rank == nodes.index(node)
-    _make_dir(directory)
-    if leader:  # an older manifest must not vouch for files being replaced now
-        for old in _manifests(directory):
-            old.unlink(missing_ok=True)
-        _fsync_dir(directory)
-    if group:
-        dist.barrier()
-    entry = save_rank_file(directory, rank, payload)
-    entries: list[Any] = [None] * world
-    if group:
-        dist.all_gather_object(entries, entry)
-    else:
-        entries = [entry]
-    if leader:
-        mine = {r: e for r, e in enumerate(entries) if nodes[r] == node}
-        write_manifest(directory, mine, step=step, epoch=epoch, algorithm=algorithm, world_size=world,
-                       name=manifest_name(sorted(set(nodes)).index(node), len(set(nodes))))
-        _fsync_dir(directory.parent)
-    if group:
-        dist.barrier()
+
+    def clear() -> None:
+        _make_dir(directory)
+        if leader:  # an older manifest must not vouch for files being replaced now
+            for old in _manifests(directory):
+                old.unlink(missing_ok=True)
+            _fsync_dir(directory)
+
+    _agree(directory, "removing the old manifests", clear)  # a barrier: no file is replaced before
+    entries = _agree(directory, "writing the rank file", lambda: save_rank_file(directory, rank, payload))
+
+    def manifest() -> None:
+        if leader:
+            mine = {r: e for r, e in enumerate(entries) if nodes[r] == node}
+            write_manifest(directory, mine, step=step, epoch=epoch, algorithm=algorithm, world_size=world,
+                           name=manifest_name(sorted(set(nodes)).index(node), len(set(nodes))))
+            _fsync_dir(directory.parent)
+
+    _agree(directory, "writing the manifest", manifest)
     return directory
+
+
+class CheckpointSaveError(OSError):
+    """A checkpoint could not be saved on some rank (disk full, permissions, an unloadable payload
+    entry): raised on every rank, naming the failing ranks and their errors."""
+
+
+def _agree(directory: Path, what: str, fn: Any) -> list[Any]:
+    """Run ``fn()`` on this rank, then agree on the outcome with every rank (one
+    ``all_gather_object``, also a barrier): the list of every rank's result, or
+    :class:`CheckpointSaveError` on every rank when ``fn`` raised on any (chained to the exception on
+    the ranks where it did), so no rank goes on to a collective the others never reach."""
+    group = dist.is_available() and dist.is_initialized()
+    error: BaseException | None = None
+    try:
+        mine: Any = ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        error, mine = exc, ("error", f"{type(exc).__name__}: {exc}")
+    outcomes: list[Any] = [None] * (dist.get_world_size() if group else 1)
+    if group:
+        dist.all_gather_object(outcomes, mine)
+    else:
+        outcomes = [mine]
+    failed = {r: o[1] for r, o in enumerate(outcomes) if o[0] == "error"}
+    if failed:
+        detail = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise CheckpointSaveError(f"checkpoint {directory} not saved: {what} failed on {detail}") from error
+    return [o[1] for o in outcomes]
 
 
 def _sha256(path: Path) -> str:
