@@ -539,3 +539,51 @@ def test_every_algorithm_resumes_on_the_device_from_a_cpu_checkpoint(resume_job)
         assert not off, f"rank {rank}: loaded state not on the device: {off}"
         assert all(r["finite"] for r in res.values()), res
         assert res["powersgd"]["devices"], "powersgd's loaded state holds its residuals"
+
+
+def _profile_job(rank, world, device):
+    """auto's compute profile on the device: labelled with the model's device, and its backward time
+    read with the device synchronised (against CUDA events around the same backward pass)."""
+    from torch import nn
+
+    from gradsync.profiler.profile import record_profile
+
+    width = 2048 if device.type == "cuda" else 128
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 10)).to(device)
+    x, y = torch.randn(1024, width, device=device), torch.randint(0, 10, (1024,), device=device)
+    prof = record_profile(model, lambda: (x, y), nn.functional.cross_entropy,
+                          lambda p: torch.optim.SGD(p, lr=1e-3), "mlp", 1024, bucket_cap_mb=4, iterations=3)
+    ref = []
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x), y)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loss.backward()
+            end.record()
+            torch.cuda.synchronize(device)
+            ref.append(start.elapsed_time(end) / 1000)
+        else:
+            t0 = time.perf_counter()
+            loss.backward()
+            ref.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    return {"device": prof["device"], "backward_s": prof.backward_s, "ref_s": sorted(ref)[1],
+            "ready_s": [b.ready_s for b in prof.buckets]}
+
+
+@pytest.fixture(scope="module")
+def profile_job():
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return world, _run(_profile_job, world)
+
+
+def test_compute_profile_is_labelled_and_timed_on_the_device(profile_job):
+    _, results = profile_job
+    for rank, r in enumerate(results):
+        assert _on_device(r["device"]) and (r["device"] == f"cuda:{rank}" if CUDA else True), r
+        if CUDA:  # unsynchronised, the host timed the kernel launches: a small fraction of the events' time
+            assert r["backward_s"] >= 0.5 * r["ref_s"], r
+        assert all(0 <= t <= r["backward_s"] * 1.01 for t in r["ready_s"]), r

@@ -81,3 +81,40 @@ def test_record_profile_returns_a_profile(tmp_path):
     # parameter shapes of each bucket add up to its size
     assert sorted(s for b in prof.buckets for s in b.shapes) == sorted(tuple(p.shape) for p in model.parameters())
     assert Profile.load(prof.save(tmp_path / "p.json")) == prof
+
+
+def test_record_profile_reads_the_one_synchronising_clock_of_the_models_devices(monkeypatch):
+    """Before, record_profile read ``time.perf_counter`` directly (on CUDA: kernel launches, not the
+    compute, which inflated auto's CCR) and labelled every profile ``cpu``. It must time with
+    :func:`~gradsync.profiler.compute.device_clock` built for the model (which synchronises its CUDA
+    devices; ``test_cuda_nccl.py`` checks the times on a GPU) and label the model's device."""
+    from gradsync.profiler import compute, profile
+
+    built, reads = [], []
+    real = compute.device_clock
+
+    def counting(*sources):
+        built.append(sources)
+        clock = real(*sources)
+        return lambda: (reads.append(1), clock())[1]
+
+    monkeypatch.setattr(compute, "device_clock", counting)
+    monkeypatch.setattr(profile, "device_clock", counting, raising=False)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    prof = record_profile(model, lambda: (torch.randn(8, 16), torch.randint(0, 4, (8,))), nn.functional.cross_entropy,
+                          lambda p: torch.optim.SGD(p, lr=0.1), "tiny", 8, bucket_cap_mb=0.001, iterations=2)
+    assert any(model in s for s in built), built
+    buckets = len(prof.buckets)
+    assert len(reads) >= 4 * (2 + 2) + buckets * 2, "forward, backward, optimizer and every bucket's ready time"
+    assert prof["device"] == str(next(model.parameters()).device)
+
+
+def test_device_clock_synchronises_each_cuda_device_of_its_sources(monkeypatch):
+    from gradsync.profiler.compute import device_clock
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d=None: synced.append(d))
+    device_clock(nn.Linear(2, 2), None, torch.device("cpu"))()
+    assert synced == []
+    device_clock(torch.device("cuda", 1), "cuda:1", None)()
+    assert synced == [torch.device("cuda", 1)]

@@ -7,7 +7,6 @@ that choose a setting from it (COVAP's K) receive it through ``Synchroniser.cali
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import all_gather_flat, collective_device, reduce_scatter_flat
 from ..validation import check_int
+from .compute import device_clock
 
 
 @dataclass(frozen=True)
@@ -76,17 +76,16 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
     ``device`` the device is synchronised before each clock read, since NCCL collectives return
     once enqueued."""
     reps = check_int("reps", reps, 1)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    clock = device_clock(device)
     times = []
     for r in range(reps + 1):
-        sync()
+        clock()
         dist.barrier(group=group)
-        sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         run()
-        sync()
+        t1 = clock()
         if r:
-            times.append(time.perf_counter() - t0)
+            times.append(t1 - t0)
     return statistics.median(times)
 
 

@@ -47,7 +47,7 @@ def time_compute(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
         raise ValueError("time_compute needs at least one batch and steps >= 1")
     local = copy.deepcopy(model)
     opt = make_optimizer(local.parameters())
-    clock = _device_clock(local)
+    clock = device_clock(local)
     fwd, bwd, upd = [], [], []
     for i in range(steps + 1):
         x, y = batches[i % len(batches)]
@@ -67,10 +67,19 @@ def time_compute(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tenso
     return ComputeTiming(statistics.median(fwd), statistics.median(bwd), statistics.median(upd))
 
 
-def _device_clock(model: nn.Module) -> Callable[[], float]:
-    """``time.perf_counter`` that first synchronises every CUDA device holding ``model``'s
-    parameters or buffers (a plain ``perf_counter`` for CPU models)."""
-    devices = {t.device for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
+def device_clock(*sources: "nn.Module | torch.device | str | None") -> Callable[[], float]:
+    """The one clock of every gradsync profile (compute timing, the per-bucket profile, the CCR's
+    collectives, the hop rates): ``time.perf_counter`` that first synchronises every CUDA device
+    among ``sources`` (modules: the devices of their parameters and buffers; devices; ``None`` is
+    skipped). CUDA kernels and NCCL collectives run asynchronously, so an unsynchronised read times
+    their launches. For CPU sources a plain ``perf_counter``."""
+    devices: set[torch.device] = set()
+    for src in sources:
+        if isinstance(src, nn.Module):
+            devices |= {t.device for t in (*src.parameters(), *src.buffers())}
+        elif src is not None:
+            devices.add(torch.device(src))
+    devices = {d for d in devices if d.type == "cuda"}
 
     def clock() -> float:
         for d in devices:

@@ -25,15 +25,17 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm.rendezvous import free_port
 from ..sim.profile import SCHEMA, Profile, load_profile
 from ..validation import check_float, check_int
+from .compute import device_clock
 
 
 class _ReadyRecorder:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.events: list[tuple[int, int, float, list[list[int]]]] = []
 
 
 def _recording_hook(state: _ReadyRecorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state.events.append((bucket.index(), bucket.buffer().numel(), time.perf_counter(),
+    state.events.append((bucket.index(), bucket.buffer().numel(), state.clock(),
                          [list(g.shape) for g in bucket.gradients()]))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
@@ -65,8 +67,10 @@ def record_profile(
         a validated :class:`~gradsync.sim.profile.Profile`: ``forward_s``, ``backward_s``,
         ``optimizer_s`` (s), ``dtype_bytes``, buckets in DDP reduction order (``numel``, ``ready_s``
         seconds after backward starts, parameter ``shapes``); ``meta`` holds ``bucket_cap_mb``,
-        ``threads`` and ``device``. ``profile.save(path)`` writes the JSON that ``gradsync
-        simulate`` reads; ``profile.to_dict()`` is the plain dict.
+        ``threads`` and ``device`` (the model's: ``cpu``, ``cuda:0``). ``profile.save(path)``
+        writes the JSON that ``gradsync simulate`` reads; ``profile.to_dict()`` is the plain dict.
+        Every clock read synchronises the model's CUDA devices first
+        (:func:`~gradsync.profiler.compute.device_clock`, the clock of every gradsync profile).
 
     Raises:
         ValueError: for ``iterations`` < 1 or ``bucket_cap_mb`` <= 0.
@@ -76,8 +80,15 @@ def record_profile(
     own_group = _single_rank_group()
     try:
         # No buffer broadcast: the profile must contain compute only, no collective.
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=False)
-        rec = _ReadyRecorder()
+        device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+        # (forward_sync_buffers: broadcast_buffers is deprecated in torch 2.13; the buffers are still
+        # synced once at construction, before anything is timed)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=False,
+                                      device_ids=[device.index] if device.type == "cuda" else None)
+        # on CUDA the device is synchronised before every clock read (also a bucket's ready time:
+        # its gradients are computed when the device gets there, not when the host launched them)
+        clock = device_clock(model)
+        rec = _ReadyRecorder(clock)
         ddp.register_comm_hook(rec, _recording_hook)
         opt = make_optimizer(ddp.parameters())
         fwd, bwd, upd, ready = [], [], [], {}
@@ -86,13 +97,13 @@ def record_profile(
             x, y = make_batch()
             opt.zero_grad(set_to_none=True)
             rec.events.clear()
-            t0 = time.perf_counter()
+            t0 = clock()
             loss = loss_fn(ddp(x), y)
-            t1 = time.perf_counter()
+            t1 = clock()
             loss.backward()
-            t2 = time.perf_counter()
+            t2 = clock()
             opt.step()
-            t3 = time.perf_counter()
+            t3 = clock()
             if it < 2:
                 continue
             fwd.append(t1 - t0)
@@ -108,7 +119,7 @@ def record_profile(
             "schema": SCHEMA, "model": name, "batch_size": batch_size, "dtype_bytes": dtype_bytes,
             "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
             "optimizer_s": statistics.median(upd), "bucket_cap_mb": bucket_cap_mb,
-            "threads": torch.get_num_threads(), "device": "cpu", "buckets": buckets})
+            "threads": torch.get_num_threads(), "device": str(device), "buckets": buckets})
     finally:
         if own_group:
             dist.destroy_process_group()

@@ -17,13 +17,13 @@ slow link: the fast ranks simply wait. Two measurements can:
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..comm.collectives import collective_device
+from .compute import device_clock
 
 #: A rank is named when its link rate is below this fraction of the median (or its compute time above
 #: the inverse multiple of the median).
@@ -46,6 +46,7 @@ def probe_links(payload_bytes: int = 1 << 18, rounds: int = 2, group: dist.Proce
         return []
     device = device or collective_device(group)
     buf = torch.zeros(payload_bytes // 4, dtype=torch.float32, device=device)
+    clock = device_clock(device)
     seconds = torch.full((world,), float("inf"), dtype=torch.float64, device="cpu")  # host timings
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     for _ in range(rounds):
@@ -55,11 +56,9 @@ def probe_links(payload_bytes: int = 1 << 18, rounds: int = 2, group: dist.Proce
             if rank == r:
                 dist.send(buf, ranks[dst], group=group)
             elif rank == dst:
-                t0 = time.perf_counter()
+                t0 = clock()
                 dist.recv(buf, ranks[r], group=group)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                seconds[r] = min(float(seconds[r]), time.perf_counter() - t0)
+                seconds[r] = min(float(seconds[r]), clock() - t0)
     seconds = torch.where(torch.isinf(seconds), torch.zeros_like(seconds), seconds)  # only receivers timed
     shared = seconds.to(device)
     dist.all_reduce(shared, group=group)  # each hop was timed by exactly one rank
