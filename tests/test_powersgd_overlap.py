@@ -150,3 +150,35 @@ def test_a_dead_peer_ends_the_step_with_an_error_within_the_timeout(tmp_path):
     elapsed, message = out.read_text().split("\n", 1)
     assert message, "rank 0's step must raise"
     assert float(elapsed) < 5.0 + 10.0
+
+
+def _second_phase_fails(rank, world):
+    from small_mlp import make_model
+
+    model = DDP(make_model(), bucket_cap_mb=BUCKET_MB)
+    state = PowerSGDOverlapState(2, start_iter=2)
+    model.register_comm_hook(state, powersgd_overlap_hook)
+    for step in range(2):  # dense start-up
+        backward_step(model, rank, step)
+    real = state._phase2
+
+    def fails(p1):
+        raise RuntimeError("injected failure in the second phase")
+
+    state._phase2 = fails  # the same failure on every rank, at the first bucket's second phase
+    try:
+        backward_step(model, rank, 2)
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    state._phase2 = real
+    return raised, state._pending is None
+
+
+def test_a_failing_second_phase_leaves_no_pending_bucket():
+    """Before, the hook took the pending bucket off only after its second phase returned: when that
+    raised, the failed iteration's bucket stayed pending, and the next compressed step ran its
+    second phase (a stale P, an all-reduce no other rank expected)."""
+    for raised, cleared in run_ranks(_second_phase_fails, 2, timeout=60, pg_timeout=15):
+        assert raised is not None and "injected failure" in raised, raised
+        assert cleared, "the failed iteration's bucket is still pending"

@@ -234,12 +234,18 @@ def powersgd_overlap_hook(state: PowerSGDOverlapState,
         state.end_bucket(bucket)
         return fut
     state.finite_guard.begin(state.iteration, state._snapshot)
-    if state._pending is not None:
-        state.phase2(state._pending)
-    current = state._pending = state.phase1(bucket)
+    # the previous bucket is taken off before its second phase runs, and this one is left pending
+    # only once its first phase succeeded: an error in either (a failed collective) leaves no
+    # bucket of the failed iteration for the next step to finish; nor does a backward pass that
+    # stopped between two buckets (DDP calls the hooks in bucket order: bucket 0 starts an iteration)
+    previous, state._pending = state._pending, None
+    if previous is not None and bucket.index() != 0:
+        state.phase2(previous)
+    current = state.phase1(bucket)
     if bucket.is_last():
-        state._pending = None
         state.phase2(current)
+    else:
+        state._pending = current
     state.end_bucket(bucket)
     return state.guarded(bucket, current.result)
 
