@@ -531,10 +531,10 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the measured (CPU) compute times, e.g. 0.02 for GPUs 50x faster than this CPU")
     p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                   help="the job's optimizer family: only accuracy costs measured with it count")
-    p.add_argument("--budget-steps", type=int, default=None,
-                   help="the job's iterations (its learning-rate schedule's length): also offers the measured "
-                        "settings with a dense tail, their tail scaled to this budget")
+                   help="the job's optimizer family (the quality model's error limit)")
+    p.add_argument("--quality-ranks", type=int, default=2,
+                   help="loopback ranks that measure each lossy setting's error on this model's gradients "
+                        "(0: measure nothing; lossy settings are then 'not measured')")
     p.add_argument("--json", default=None, help="also write the profile, every prediction and the advice here")
     p.set_defaults(func=_doctor)
 
@@ -547,35 +547,52 @@ def _doctor(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from .profiler.advise import advise, train_command
-    from .profiler.profile import workload_key
+    import time
+
+    from .algorithms import REGISTRY
+    from .profiler.advise import MIN_GAIN, advise, lossy, train_command
+    from .profiler.probe import measure_quality_on_loopback
     from .validation import check_float, check_int
 
     check_float("--bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
     check_int("--world-size", args.world_size, 2)
     check_float("--latency-us", args.latency_us, 0.0, 1e7)
     scale = check_float("--compute-scale", args.compute_scale, 0.0, 1e6, low_inclusive=False)
-    budget = None if args.budget_steps is None else check_int("--budget-steps", args.budget_steps, 1)
+    quality_ranks = check_int("--quality-ranks", args.quality_ranks, 0, 64)
+    if quality_ranks == 1:
+        raise ValueError("--quality-ranks must be 0 (measure nothing) or an integer >= 2; got 1")
     prof = _measure_profile(args).scale_compute(scale)
-    advice = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6, budget_steps=budget,
-                    optimizer=args.optimizer, model_key=workload_key(args.model))
+    simulated = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6,
+                       optimizer=args.optimizer)
+    errors, spent = {}, None
+    if quality_ranks:
+        ddp_s = next(r.iteration_s for r in simulated.predictions if r.entry == "allreduce")
+        worth = [r.entry for r in simulated.predictions if lossy(r.entry) and REGISTRY[r.entry.split(":")[0]].make_hook
+                 and r.iteration_s * MIN_GAIN <= ddp_s]
+        t0 = time.perf_counter()
+        errors = measure_quality_on_loopback(args.model, args.batch_size, worth, quality_ranks,
+                                             prof.meta["bucket_cap_mb"], args.data_dir) if worth else {}
+        spent = time.perf_counter() - t0
+    advice = advise(prof, args.world_size, args.bandwidth, errors=errors, latency_s=args.latency_us * 1e-6,
+                    optimizer=args.optimizer, probe_seconds=spent)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
                          f"{args.bandwidth:g} Mbit/s"),
                   caption=(f"{measured}: forward {prof.forward_s * 1e3:.1f} ms, backward "
-                           f"{prof.backward_s * 1e3:.1f} ms, {len(prof.buckets)} buckets, {prof.total_bytes / 1e6:.2f} MB of gradients; modelled dense "
-                           f"all-reduce {advice.dense_allreduce_s * 1e3:.1f} ms: CCR {advice.ccr:.2f}"))
-    for col, justify in (("setting", "left"), ("predicted ms/iter", "right"), ("speed-up vs DDP", "right"),
-                         ("accuracy cost (measured)", "left"), ("to quality vs DDP", "right")):
+                           f"{prof.backward_s * 1e3:.1f} ms, {len(prof.buckets)} buckets, {prof.total_bytes / 1e6:.2f} "
+                           f"MB of gradients; modelled dense all-reduce {advice.dense_allreduce_s * 1e3:.1f} ms: "
+                           f"CCR {advice.ccr:.2f}; errors measured on {quality_ranks} loopback ranks"))
+    for col, justify in (("setting", "left"), ("ms/iter", "right"), ("vs DDP", "right"),
+                         ("accuracy cost", "left"), ("to quality", "right")):
         table.add_column(col, justify=justify)
     ddp = next(r for r in advice.predictions if r.entry == "allreduce")
     for r in advice.predictions:
         ttq = ("?" if not r.measured else "missed" if r.time_to_quality_s == float("inf")
                else f"{ddp.time_to_quality_s / r.time_to_quality_s:.2f}x")
-        table.add_row(("-> " if r is advice.choice else "") + r.entry, f"{r.iteration_s * 1e3:.1f}",
+        table.add_row(("-> " if r is advice.choice else "") + r.label, f"{r.iteration_s * 1e3:.1f}",
                       f"{r.speedup:.2f}x", r.cost, ttq, style="bold" if r is advice.choice else None)
-    console = Console(width=140)
+    console = Console()
     console.print(table)
     console.print(f"[bold]Recommendation:[/bold] {advice.choice.label}: {command}")
     console.print(f"[bold]Why:[/bold] {advice.reason}", highlight=False)
@@ -584,7 +601,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
                "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
-               "command": command}
+               "errors": errors, "quality_ranks": quality_ranks, "command": command}
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
         print(f"wrote {args.json}")

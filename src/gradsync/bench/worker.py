@@ -28,7 +28,8 @@ from ..comm.agreement import check_config_agreement
 from ..comm.futures import shutdown_process_group
 from ..launch import write_result
 from ..options import AUTO
-from ..profiler.auto import agreed_profile, choose
+from ..profiler.auto import agreed_profile, decide
+from ..profiler.probe import QUALITY_STEPS
 from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
@@ -140,13 +141,15 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     it = iter(batches * 4)
     profile = record_profile(copy.deepcopy(model0), lambda: next(it), loss_fn, make_optimizer, cfg.workload,
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
-    if AUTO in cfg.algorithms:  # the choice from this run's profile and network (every rank the same)
+    if AUTO in cfg.algorithms:  # the choice from this run's profile, network and gradients (every rank the same)
         agreed, allreduce_s = agreed_profile(profile, ccr.allreduce_s)
-        advice = choose(agreed, world, allreduce_s, workload.optimizer,
-                        budget_steps=budget_steps(cfg, train_x.shape[0], world), model_key=workload.key)
-        chosen[AUTO] = {"entry": advice.choice.entry, "reason": advice.reason}
+        decision = decide(agreed, allreduce_s, model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer,
+                          workload.optimizer, cfg.bucket_cap_mb, seed=cfg.seed)
+        chosen[AUTO] = {"entry": decision.entry, "reason": decision.advice.reason,
+                        "errors": decision.errors, "iterations_s": decision.iterations,
+                        "probe_seconds": decision.probe_seconds}
         if rank == 0:
-            print(f"auto: {advice.choice.entry}: {advice.reason}", flush=True)
+            print(f"auto: {decision.entry}: {decision.advice.reason}", flush=True)
 
     records: dict[str, dict[str, list[float]]] = {
         a: {"iter_s": [], "wire_bytes": [], "payload_bytes": [], "dense_wire_bytes": [], "compress_s": [],

@@ -1,25 +1,27 @@
-"""Which gradient-synchronisation setting to use, and why (``gradsync doctor``).
+"""Which gradient-synchronisation setting to use, and why (``gradsync doctor``, ``--algorithm auto``).
 
 A pure function of a compute profile (:class:`~gradsync.sim.profile.Profile`, measured by
-:func:`~gradsync.profiler.profile.record_profile`), a network (world size, bandwidth, latency) and
-the table of measured accuracy costs (:mod:`gradsync.profiler.accuracy_costs`):
+:func:`~gradsync.profiler.profile.record_profile`), a network (world size, bandwidth, latency) and what
+was measured on the job itself (:mod:`gradsync.profiler.probe`):
 
 1. the dense all-reduce time of every bucket without overlap is *modelled* with the ring
    alpha-beta cost model (:func:`~gradsync.profiler.profile.ccr_at`; Patarasuk & Yuan 2009) and
    divided by the measured backward time: the CCR (Meng, Sun & Li 2023, arXiv 2311.04499, §3);
 2. every candidate setting (:func:`candidates`) is replayed on the profile as gradsync runs it
    (PowerSGD on one bucket, COVAP's shards in 16 bits) by the trace-driven simulator
-   (:func:`gradsync.sim.simulate`: wait-free back-propagation, FIFO collectives);
-3. each candidate's predicted time to quality is its iteration time x (1 + extra-steps fraction),
-   the fraction taken from the measured steps to a target accuracy against dense all-reduce
-   (0 for the settings whose arithmetic equals DDP's and for the fp16/bf16 casts); a measured
-   setting with a dense tail (``dense_from``: the end of training through the fp16 hook) is a
-   candidate when the job's budget is known, its tail starting at the measured fraction of the
-   budget, and its time to quality counts the measured steps before the tail at its own iteration
-   time and those after at the fp16 hook's (:func:`tail_candidates`);
-4. the candidates with a known cost are ranked by it; lossy settings without a measurement follow,
-   by predicted iteration time, labelled "not measured". The first is recommended unless the CCR
-   is below :data:`LOW_CCR` or it gains less than :data:`MIN_GAIN` over DDP: then plain DDP.
+   (:func:`gradsync.sim.simulate`: wait-free back-propagation, FIFO collectives); where the setting was
+   timed on the real network (``iterations``), the measured time replaces the simulated one;
+3. each candidate's predicted time to quality is its iteration time x (1 + extra-steps fraction), the
+   fraction predicted by the quality model (:data:`~gradsync.profiler.quality_model.FITTED`) from the
+   setting's relative error measured on the job's own gradients (``errors``); 0 for the settings
+   whose arithmetic equals DDP's (allreduce, DeAR);
+4. the candidates with a known cost are ranked by it; lossy settings whose error was not measured
+   follow, by iteration time, labelled "not measured". The first is recommended unless the CCR is
+   below :data:`LOW_CCR` or it gains less than :data:`MIN_GAIN` over DDP: then plain DDP.
+
+No table of other models' runs enters the choice: a cost measured on one model does not carry to
+another (PowerSGD r=4 with a dense tail reached the target on 4 of 5 seeds of the ResNet-8 and on 1
+of 3 at twice its width).
 """
 
 from __future__ import annotations
@@ -30,18 +32,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..algorithms import dense_tail_seconds, split_dense_tail
 from ..comm.buckets import bucket_overlap_warning
 from ..sim.costmodel import Network
 from ..sim.engine import simulate
 from ..sim.plans import AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16Plan, PowerSGDPlan, TopKPlan
 from ..sim.profile import Profile, ProfileBucket, load_profile
 from ..validation import check_float, check_int
-from .accuracy_costs import LOSSLESS, MEASURED_COSTS, AccuracyCost, rows_for_model, rows_for_world_size
+from .quality_model import FITTED, QualityModel
 from .profile import ccr_at
 
-__all__ = ["Advice", "Prediction", "advise", "candidates", "tail_candidates", "train_command", "CASTS", "LOW_CCR",
-           "MIN_GAIN"]
+__all__ = ["Advice", "Prediction", "advise", "candidates", "lossy", "train_command", "CASTS", "LOSSLESS",
+           "LOW_CCR", "MIN_GAIN"]
 
 #: Below this CCR a dense all-reduce takes less than half the backward pass, which DDP overlaps it
 #: with: only the last bucket's collective is exposed, and compression only adds work.
@@ -71,28 +72,16 @@ def candidates() -> list[tuple[str, str, AlgorithmPlan]]:
     ]
 
 
-def tail_candidates(costs: Sequence[AccuracyCost], budget_steps: int
-                    ) -> list[tuple[str, str, AlgorithmPlan, AccuracyCost]]:
-    """The measured settings with a dense tail, offered to a job of ``budget_steps`` iterations:
-    ``(entry, label, plan of the compressed phase, cost row)``, the entry's ``dense_from`` scaled from
-    the measured run's budget to ``budget_steps`` (the tail starts at the same fraction of the
-    one-cycle schedule, at least at iteration 2). A row whose setting without the tail is not among
-    :func:`candidates`, or without a budget, is skipped.
+#: Settings whose arithmetic equals dense all-reduce's, with the reason.
+LOSSLESS: dict[str, str] = {
+    "allreduce": "the reference (DDP's own arithmetic)",
+    "dear": "DeAR's reduce-scatter + all-gather compute DDP's average (bitwise-identical losses, docs/results.md)",
+}
 
-    Raises:
-        ValueError: for ``budget_steps`` < 1.
-    """
-    budget_steps = check_int("budget_steps", budget_steps, 1)
-    plans = {entry: (label, plan) for entry, label, plan in candidates()}
-    out = []
-    for row in costs:
-        base, tail = split_dense_tail(row.entry)
-        if not tail or not row.budget_steps or base not in plans:
-            continue
-        start = max(2, round(tail * budget_steps / row.budget_steps))
-        label, plan = plans[base]
-        out.append((f"{base}:dense_from={start}", f"{label} + dense tail from {start}", plan, row))
-    return out
+
+def lossy(entry: str) -> bool:
+    """Whether ``entry`` changes the averaged gradient (everything but :data:`LOSSLESS`)."""
+    return entry not in LOSSLESS
 
 
 def _as_run(prof: Profile, entry: str) -> Profile:
@@ -127,7 +116,7 @@ class Prediction:
     cost: str
     source: str | None
     time_to_quality_s: float | None
-    tail_iteration_s: float | None = None
+    timed: bool = False
 
     @property
     def measured(self) -> bool:
@@ -159,51 +148,26 @@ class Advice:
         return d
 
 
-def _cost_row(entry: str, costs: Sequence[AccuracyCost]) -> AccuracyCost | None:
-    """The measurement of ``entry`` over the most seeds (``costs`` hold one world size:
-    :func:`~gradsync.profiler.accuracy_costs.rows_for_world_size`)."""
-    rows = [c for c in costs if c.entry == entry]
-    return max(rows, key=lambda c: c.seeds) if rows else None
-
-
-def _cost(entry: str, costs: Sequence[AccuracyCost],
-          assume_casts: bool = True) -> tuple[float | None, str, str | None]:
-    """``(extra_steps, cost in words, source)`` of ``entry``; a 16-bit cast without a measurement
-    counts as lossless only with ``assume_casts``."""
+def _cost(entry: str, errors: Mapping[str, float], optimizer: str | None,
+          model: QualityModel) -> tuple[float | None, str, str | None]:
+    """``(extra_steps, cost in words, source)`` of ``entry`` from its measured relative error."""
     if entry in LOSSLESS:
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
-    row = _cost_row(entry, costs)
-    if row is not None:
-        return _row_cost(row)
-    if entry in CASTS and assume_casts:
-        return 0.0, "0 assumed (16-bit cast, not measured)", None
-    return None, "not measured", None
-
-
-def _row_cost(row: AccuracyCost) -> tuple[float, str, str]:
-    """``(extra_steps, cost in words, source)`` of a measurement."""
-    if row.not_reached:
-        return row.extra_steps, (f"missed the target ({row.target}) on 2 or more of {row.seeds} seeds, "
-                                 f"{row.world_size} ranks"), row.source
-    seeds = f"{row.seeds} seed{'s' if row.seeds > 1 else ''}"
-    return row.extra_steps, (f"{row.extra_steps * 100:+.0f} % steps ({row.steps} vs {row.dense_steps} to "
-                             f"{row.target}, {seeds}, {row.world_size} ranks)"), row.source
-
-
-def _tail_time_to_quality(row: AccuracyCost, iteration_s: float, tail_iteration_s: float) -> float:
-    """Seconds per DDP-step-equivalent of a setting with a dense tail: the measured steps before the
-    tail at ``iteration_s``, those after it at ``tail_iteration_s``, over dense's steps; infinite when
-    the setting missed the target."""
-    if row.not_reached:
-        return math.inf
-    return dense_tail_seconds(row.entry, row.steps, iteration_s, tail_iteration_s) / row.dense_steps
+    if entry not in errors:
+        return None, "not measured", None
+    e = errors[entry]
+    extra = model.extra_steps(e, optimizer)
+    source = "measured on this job (gradsync.profiler.probe) + quality model (gradsync.profiler.quality_model)"
+    if math.isinf(extra):
+        return extra, f"error {e:.2f} > {model.limit(optimizer):.2f}: predicted to miss", source
+    return extra, f"error {e:.2f}: {extra * 100:+.0f} % steps predicted", source
 
 
 def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
-           costs: Sequence[AccuracyCost] = MEASURED_COSTS, latency_s: float = 0.0,
-           overlap_efficiency: float = 1.0, assume_casts: bool = True,
-           allowed: Callable[[str], bool] = lambda entry: True, budget_steps: int | None = None,
-           optimizer: str | None = None, model_key: str | None = None) -> Advice:
+           errors: Mapping[str, float] | None = None, iterations: Mapping[str, float] | None = None,
+           latency_s: float = 0.0, overlap_efficiency: float = 1.0,
+           allowed: Callable[[str], bool] = lambda entry: True, optimizer: str | None = None,
+           model: QualityModel = FITTED, probe_seconds: float | None = None) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -213,36 +177,29 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
             16-bit buckets in DDP order).
         world_size: ranks, >= 2.
         bandwidth_mbit: link rate in Mbit/s, > 0.
-        costs: measured accuracy costs (default: the README's, :data:`MEASURED_COSTS`); only the rows of
-            the world size closest to ``world_size`` count
-            (:func:`~gradsync.profiler.accuracy_costs.rows_for_world_size`).
+        errors: ``{entry: relative error}`` measured on the job
+            (:func:`~gradsync.profiler.probe.measure_quality`); a lossy candidate without one is
+            "not measured" and is not recommended.
+        iterations: ``{entry: seconds}`` measured on the job's network
+            (:func:`~gradsync.profiler.probe.time_candidates`), replacing the simulated times.
         latency_s: per-message latency alpha in seconds, >= 0.
         overlap_efficiency: (0, 1], rate of communication during backward (see
             :func:`gradsync.sim.simulate`).
-        assume_casts: count the fp16/bf16 casts as lossless where ``costs`` has no row for them
-            (``gradsync doctor``); False ranks them as "not measured" (``--algorithm auto``).
         allowed: which candidate entries to consider (DDP's all-reduce always is).
-        budget_steps: the job's budget in iterations (its learning-rate schedule's length); with it the
-            measured settings with a dense tail are candidates too (:func:`tail_candidates`).
-        optimizer: the job's optimizer family (``"sgd"``, ``"adamw"``): only ``costs`` measured with it
-            count; None: every row.
-        model_key: the job as ``workload:model`` (``fashion-mnist:resnet8-w32``): where ``costs`` has
-            rows of that model, only those count (:func:`~gradsync.profiler.accuracy_costs.rows_for_model`);
-            None: every row.
+        optimizer: the job's optimizer family (``"sgd"``, ``"adamw"``): the quality model's threshold.
+        model: the quality model (default: the fitted one).
+        probe_seconds: what measuring ``errors`` and ``iterations`` cost (seconds), for the notes.
 
     Returns:
         :class:`Advice`.
 
     Raises:
-        ValueError: naming world_size (an integer >= 2), bandwidth_mbit (> 0), budget_steps (>= 1),
-            latency_s or overlap_efficiency out of range, or a bad profile.
+        ValueError: naming world_size (an integer >= 2), bandwidth_mbit (> 0), latency_s or
+            overlap_efficiency out of range, or a bad profile.
     """
     prof = load_profile(profile)
-    if optimizer is not None:
-        costs = [c for c in costs if c.optimizer == optimizer]
-    costs = rows_for_model(costs, model_key)
+    errors, iterations = dict(errors or {}), dict(iterations or {})
     world_size = check_int("world_size", world_size, 2)
-    costs = rows_for_world_size(costs, world_size)
     bandwidth_mbit = check_float("bandwidth_mbit", bandwidth_mbit, 0.0, 1e9, low_inclusive=False)
     net = Network.from_mbit(bandwidth_mbit, latency_s)
     ccr = ccr_at(prof, world_size, bandwidth_mbit, latency_s)
@@ -250,28 +207,23 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
     for entry, label, plan in candidates():
         if entry != "allreduce" and not allowed(entry):
             continue
-        t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
-        extra, cost, source = _cost(entry, costs, assume_casts)
-        rows.append(Prediction(entry, label, t, 0.0, extra, cost, source, None if extra is None else t * (1 + extra)))
-    for entry, label, plan, row in tail_candidates(costs, budget_steps) if budget_steps is not None else ():
-        if not allowed(entry):
-            continue
-        t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
-        tail_t = simulate(_as_run(prof, entry.split(":")[0]), FP16Plan(), world_size, net, overlap_efficiency).iteration_s
-        extra, cost, source = _row_cost(row)
-        cost = f"{cost}; the tail's iterations at the fp16 hook's {tail_t * 1e3:.1f} ms"
-        rows.append(Prediction(entry, label, t, 0.0, extra, cost, source, _tail_time_to_quality(row, t, tail_t), tail_t))
+        t = iterations.get(entry)
+        if t is None:
+            t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
+        extra, cost, source = _cost(entry, errors, optimizer, model)
+        rows.append(Prediction(entry, label, t, 0.0, extra, cost, source,
+                               None if extra is None else t * (1 + extra), timed=entry in iterations))
     dense = rows[0].iteration_s
     rows = [dataclasses.replace(r, speedup=dense / r.iteration_s) for r in rows]
     order = {r.entry: i for i, r in enumerate(rows)}
     ranked = sorted(rows, key=lambda r: (not r.measured, r.time_to_quality_s if r.measured else r.iteration_s,
                                          order[r.entry]))
     ddp = next(r for r in ranked if r.entry == "allreduce")
-    best = next((r for r in ranked if r.measured and r is not ddp), None)
+    best = next((r for r in ranked if r.measured and r is not ddp and math.isfinite(r.time_to_quality_s)), None)
     gain = ddp.time_to_quality_s / best.time_to_quality_s if best is not None else 0.0
     if best is None:
         choice = ddp
-        reason = (f"CCR {ccr:.2f}: no other setting has a measured accuracy cost for this job; use plain DDP "
+        reason = (f"CCR {ccr:.2f}: no other setting is predicted to reach dense quality on this job; use plain DDP "
                   f"(allreduce).")
     elif ccr < LOW_CCR:
         choice = ddp
@@ -279,32 +231,38 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
                   f"overlaps it with backward; use plain DDP (allreduce): compression would only add work.")
     elif gain < MIN_GAIN:
         choice = ddp
-        reason = (f"CCR {ccr:.2f}: the best measured alternative, {best.label}, is predicted only {gain:.2f}x "
-                  f"faster to the same quality, within the simulator's ~10 % error; use plain DDP (allreduce).")
+        reason = (f"CCR {ccr:.2f}: the best alternative, {best.label}, is predicted only {gain:.2f}x "
+                  f"faster to the same quality, within the predictions' ~10 % error; use plain DDP (allreduce).")
     else:
         choice = best
-        reason = (f"CCR {ccr:.2f}: {best.label} is predicted {best.speedup:.2f}x faster per iteration than DDP; "
-                  f"accuracy cost {best.cost}, so {gain:.2f}x to the same quality, the best with a known cost.")
+        how = "measured" if best.timed else "predicted"
+        reason = (f"CCR {ccr:.2f}: {best.label} is {how} {best.speedup:.2f}x faster per iteration than DDP; "
+                  f"accuracy cost: {best.cost}, so {gain:.2f}x to the same quality.")
     faster = [r for r in ranked if not r.measured and r.iteration_s * MIN_GAIN < choice.time_to_quality_s]
     if faster and ccr >= LOW_CCR:
         f = min(faster, key=lambda r: r.iteration_s)
-        reason += (f" {f.label} is predicted {f.speedup:.2f}x per iteration, but its accuracy cost is not "
-                   f"measured.")
+        reason += (f" {f.label} is predicted {f.speedup:.2f}x per iteration, but its error was not "
+                   f"measured on this job.")
     return Advice(world_size, bandwidth_mbit, latency_s, prof.backward_s, ccr * prof.backward_s, ccr,
-                  tuple(ranked), choice, reason, tuple(_notes(prof)))
+                  tuple(ranked), choice, reason, tuple(_notes(prof, model, errors, probe_seconds)))
 
 
-def _notes(prof: Profile) -> list[str]:
+def _notes(prof: Profile, model: QualityModel, errors: Mapping[str, float], probe_seconds: float | None) -> list[str]:
     """Caveats printed under the recommendation."""
-    notes = ["Dense all-reduce time is modelled (ring alpha-beta at the given bandwidth), not measured; "
-             "compute times are this machine's.",
-             "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not modelled: "
-             "predicted speed-ups of compressed settings are upper bounds.",
+    notes = ["Dense all-reduce time is modelled (ring alpha-beta at the given bandwidth); compute times are this "
+             "machine's; iteration times marked 'measured' were timed on the job's own network.",
+             "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not simulated: simulated "
+             "speed-ups of compressed settings are upper bounds.",
              "PowerSGD is replayed on one bucket, ready at the end of backward, as gradsync runs torch's hook; "
-             "powersgd-overlap on every bucket, each Q launched by the next bucket's hook once P has arrived.",
-             "Measured accuracy costs come from fashion-mnist/resnet8, 5 seeds, to dense's final accuracy - 0.5 points "
-             "(docs/results.md); "
-             "other models may need more or fewer extra steps."]
+             "powersgd-overlap on every bucket, each Q launched by the next bucket's hook once P has arrived."]
+    if errors:
+        notes.append("Extra steps are predicted from each setting's relative error on this job's gradients "
+                     f"(gradsync.profiler.quality_model; {model.cv}).")
+    else:
+        notes.append("No compression error was measured on this job: lossy settings are 'not measured' and not "
+                     "recommended.")
+    if probe_seconds is not None:
+        notes.append(f"Measuring this job took {probe_seconds:.1f} s.")
     warning = bucket_overlap_warning([b.numel for b in prof.buckets], prof.dtype_bytes)
     if warning is not None:
         notes.append(warning)

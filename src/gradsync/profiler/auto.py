@@ -1,23 +1,33 @@
-"""``--algorithm auto``: the setting with the least predicted time to quality on the measured network.
+"""``--algorithm auto``: the setting with the least predicted time to quality, measured on the job.
 
-At start-up every rank measures a compute profile (:func:`~gradsync.profiler.profile.record_profile`:
-forward, backward and optimizer times, DDP's buckets and when each is ready) and the dense
-all-reduce time of those buckets on the real network (:func:`~gradsync.profiler.ccr.measure_ccr`).
-The times are all-reduced with MAX, so every rank holds the same numbers and takes the same
-decision. The network is then summarised as the link rate at which the ring all-reduce model gives
-the measured time (:func:`effective_bandwidth_mbit`), and :func:`gradsync.profiler.advise.advise`
-ranks the candidates by predicted iteration time (trace-driven simulator) x (1 + extra steps to the
-quality target), counting only accuracy costs *measured* for the job's optimizer family
-(:mod:`gradsync.profiler.accuracy_costs`): a setting without a measurement for that family is not
-chosen. Given the job's budget (its schedule's iterations), the measured settings with a dense tail
-are candidates too, the tail starting at the measured fraction of the budget. Below a CCR of 0.5, or when nothing measured is predicted at least 10 % faster to quality,
-auto keeps dense all-reduce.
+Every rank runs the same steps (collectives), on its own batches, and ends with the same choice:
+
+1. **compute profile** (:func:`~gradsync.profiler.profile.record_profile`: forward, backward and
+   optimizer times, DDP's buckets and when each is ready) and the dense all-reduce time of those
+   buckets on the real network (:func:`~gradsync.profiler.ccr.measure_ccr`), both MAX over ranks; the
+   network as the link rate at which the ring model gives that time (:func:`effective_bandwidth_mbit`).
+   Below a CCR of :data:`~gradsync.profiler.advise.LOW_CCR` auto keeps DDP and measures nothing more;
+2. **quality**: every lossy communication-hook candidate the simulator predicts at least
+   :data:`~gradsync.profiler.advise.MIN_GAIN` x faster per iteration than DDP is measured at once on
+   the job's own gradients (:func:`~gradsync.profiler.probe.measure_quality`: its relative error
+   against the dense aggregate), which the quality model (:mod:`gradsync.profiler.quality_model`)
+   turns into predicted extra steps. No table of other models' runs is read;
+3. **short-list and time**: the :data:`SHORTLIST` candidates with the least predicted time to quality
+   (simulated iteration x (1 + extra steps)) and DDP are timed for a few steps each on the real
+   network (:func:`~gradsync.profiler.probe.time_candidates`);
+4. the choice (:func:`gradsync.profiler.advise.advise` over the timed candidates): the least measured
+   iteration time x (1 + predicted extra steps), unless it gains less than ``MIN_GAIN`` over DDP.
+
+The probe trains copies of the model; its cost is start-up time, reported in the advice's notes.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,13 +36,14 @@ import torch.distributed as dist
 from ..comm.collectives import collective_device
 from ..options import AUTO
 from ..sim.profile import Profile
-from .accuracy_costs import MEASURED_COSTS, AccuracyCost
-from .advise import Advice, advise
+from ..validation import check_int
+from .advise import LOW_CCR, MIN_GAIN, Advice, advise, lossy
 from .ccr import measure_ccr
-from .probe import QUALITY_STEPS
+from .probe import QUALITY_STEPS, measure_quality, time_candidates
 from .profile import ccr_at, record_profile
 
-__all__ = ["AUTO", "agreed_profile", "effective_bandwidth_mbit", "choose", "resolve_auto"]
+__all__ = ["AUTO", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
+           "probe_batches", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -86,47 +97,103 @@ def effective_bandwidth_mbit(prof: Profile, world_size: int, allreduce_s: float)
     return _REFERENCE_MBIT * modelled / allreduce_s
 
 
-def choose(prof: Profile, world_size: int, allreduce_s: float, optimizer: str,
-           costs: Sequence[AccuracyCost] = MEASURED_COSTS, allowed: Callable[[str], bool] = lambda entry: True,
-           budget_steps: int | None = None, model_key: str | None = None) -> Advice:
-    """The auto choice (pure: no collectives) for profile ``prof`` (seconds) on ``world_size`` ranks whose
-    dense all-reduce of the buckets took ``allreduce_s`` seconds, for optimizer family ``optimizer``
-    (``"sgd"`` or ``"adamw"``); ``allowed(entry)`` restricts the candidates (e.g. hooks only);
-    ``budget_steps`` (the job's iterations; None: unknown) admits the settings with a dense tail;
-    ``model_key`` (``workload:model``) prefers the accuracy costs measured on that model.
+#: Candidates timed on the real network after the quality probe, besides DDP.
+SHORTLIST = 3
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """What :func:`decide` measured and chose: the chosen ``entry``, the :class:`Advice`, the
+    ``errors`` (``{entry: relative error}``) and ``iterations`` (``{entry: seconds}``) measured, and
+    ``probe_seconds``, the wall-clock cost of those measurements on this rank."""
+
+    entry: str
+    advice: Advice
+    errors: dict
+    iterations: dict
+    probe_seconds: float
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready figures for metrics.json."""
+        return {"auto_choice": self.entry, "auto_reason": self.advice.reason, "auto_ccr": self.advice.ccr,
+                "auto_errors": self.errors, "auto_iterations_s": self.iterations,
+                "auto_probe_seconds": self.probe_seconds}
+
+
+def _hook_entry(entry: str) -> bool:
+    from ..algorithms import REGISTRY, parse_entry
+
+    return REGISTRY[parse_entry(entry)[0]].make_hook is not None
+
+
+def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
+           batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, make_optimizer: Callable,
+           optimizer: str, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
+           group: Any = None, seed: int = 0, shortlist: int = SHORTLIST) -> AutoDecision:
+    """Collective: steps 2-4 of the module docstring, given the agreed profile ``prof`` and dense
+    all-reduce time ``allreduce_s`` (seconds; :func:`agreed_profile`).
+
+    Args:
+        model: the job's model (copied by the probes, not changed).
+        batches: this rank's probe batches (:func:`probe_batches`).
+        optimizer: the optimizer family (``"sgd"``, ``"adamw"``).
+        allowed: which ``--algorithms`` entries may be chosen.
+        shortlist: candidates timed on the network besides DDP (>= 1).
 
     Raises:
-        ValueError: for ``world_size`` < 2, ``allreduce_s`` <= 0 or ``budget_steps`` < 1.
+        ValueError: for ``allreduce_s`` <= 0, a world size < 2 or ``shortlist`` < 1.
     """
-    bandwidth = effective_bandwidth_mbit(prof, world_size, allreduce_s)
-    return advise(prof, world_size, bandwidth, costs=costs, assume_casts=False, allowed=allowed,
-                  budget_steps=budget_steps, optimizer=optimizer, model_key=model_key)
+    shortlist = check_int("shortlist", shortlist, 1, 100)
+    world = dist.get_world_size(group)
+    t0 = time.perf_counter()
+    bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
+    simulated = advise(prof, world, bandwidth, allowed=allowed, optimizer=optimizer)
+    errors: dict[str, float] = {}
+    iterations: dict[str, float] = {}
+    if simulated.ccr >= LOW_CCR:
+        ddp_s = next(r.iteration_s for r in simulated.predictions if r.entry == "allreduce")
+        worth = [r.entry for r in simulated.predictions
+                 if lossy(r.entry) and _hook_entry(r.entry) and r.iteration_s * MIN_GAIN <= ddp_s]
+        if worth:
+            errors = measure_quality(model, batches, loss_fn, make_optimizer, worth, bucket_cap_mb,
+                                     process_group=group, seed=seed)
+        ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
+        short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and _hook_entry(r.entry)
+                 and math.isfinite(r.time_to_quality_s)][:shortlist]
+        if short:
+            timed = time_candidates(model, batches, loss_fn, make_optimizer, ["allreduce", *short], bucket_cap_mb,
+                                    process_group=group, seed=seed)
+            iterations = {e: p.iteration_s for e, p in timed.items()}
+    spent = time.perf_counter() - t0
+    if iterations:
+        advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, optimizer=optimizer,
+                        allowed=lambda e: e in iterations, probe_seconds=spent)
+    else:
+        advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer,
+                        probe_seconds=spent)
+    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  make_optimizer: Callable[[Any], torch.optim.Optimizer], optimizer: str, workload: str,
                  batch_size: int, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
-                 group: Any = None, budget_steps: int | None = None,
-                 model_key: str | None = None) -> tuple[str, Advice]:
-    """Collective (every rank, same arguments but its own batches): measure and choose.
+                 group: Any = None, seed: int = 0) -> AutoDecision:
+    """Collective (every rank, same arguments but its own batches): measure and choose (the module
+    docstring's steps 1-4).
 
     Args:
-        model: the model to train (a copy is profiled; ``model`` is not changed).
-        batches: at least one ``(inputs, targets)`` batch, cycled through the profile's steps.
+        model: the model to train (copies are profiled and probed; ``model`` is not changed).
+        batches: this rank's probe batches (:func:`probe_batches`; at least one).
         loss_fn, make_optimizer: as in training.
         optimizer: the optimizer family, ``"sgd"`` or ``"adamw"``.
         workload, batch_size, bucket_cap_mb: the profile's labels and DDP's bucket size (MB).
         allowed: which ``--algorithms`` entries may be chosen.
-        budget_steps: the job's iterations (its schedule's length), which admits the settings with a
-            dense tail; None: unknown.
-        model_key: the job as ``workload:model`` (``fashion-mnist:resnet8-w32``): that model's measured
-            accuracy costs replace the others where it has any.
+        seed: the job's seed (PowerSGD's initial factors in the probes).
 
     Returns:
-        ``(entry, advice)``: the chosen ``gradsync bench --algorithms`` entry (e.g.
-        ``powersgd:matrix_approximation_rank=2``) and the :class:`~gradsync.profiler.advise.Advice`
-        with every prediction and the reason.
+        :class:`AutoDecision`: ``entry`` is the chosen ``gradsync bench --algorithms`` entry (e.g.
+        ``powersgd:matrix_approximation_rank=8``); ``advice`` has every prediction and the reason.
 
     Raises:
         ValueError: for an empty ``batches`` or a world size < 2.
@@ -136,11 +203,12 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     world = dist.get_world_size(group)
     if world < 2:
         raise ValueError(f"world size must be >= 2 for algorithm 'auto' (nothing to synchronise); got {world}")
-    it = iter(batches * 8)
+    t0 = time.perf_counter()
+    it = iter(list(batches) * 8)
     prof = record_profile(copy.deepcopy(model), lambda: next(it), loss_fn, make_optimizer, workload, batch_size,
                           bucket_cap_mb, iterations=3)
     ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
-    advice = choose(prof, world, allreduce_s, optimizer, allowed=allowed, budget_steps=budget_steps,
-                    model_key=model_key)
-    return advice.choice.entry, advice
+    decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, optimizer, bucket_cap_mb,
+                      allowed=allowed, group=group, seed=seed)
+    return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0)

@@ -16,7 +16,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 from ..algorithms import BuildContext, Precision, build, parse_entry
 from ..options import AUTO
-from ..profiler.auto import resolve_auto
+from ..profiler.auto import probe_batches, resolve_auto
 from ..algorithms.base import compression_ratio
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
@@ -121,13 +121,16 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
                        scaler=precision.scaler)
     algorithm, options, auto = cfg.algorithm, cfg.options, None
     if algorithm == AUTO:
-        entry, advice = resolve_auto(model, warm, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
-                                     cfg.batch_size, bucket_cap_mb, budget_steps=total_steps,
-                                     model_key=workload.key)
-        algorithm, options = parse_entry(entry)
-        auto = {"auto_choice": entry, "auto_reason": advice.reason, "auto_ccr": advice.ccr}
+        probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
+                              augment=lambda t: workload.augment(t.to(device)))
+        probe = [(x, y.to(device)) for x, y in probe]
+        decision = resolve_auto(model, probe, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
+                                cfg.batch_size, bucket_cap_mb, seed=cfg.seed)
+        algorithm, options = parse_entry(decision.entry)
+        auto = decision.summary()
         if rank == 0:
-            print(f"auto: {entry}: {advice.reason}", flush=True)
+            print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took "
+                  f"{decision.probe_seconds:.1f} s)", flush=True)
     dp = build(algorithm, ctx, options)
     opt = dp.optimizer
     check_config_agreement(dp.config())

@@ -1,0 +1,85 @@
+"""The probe (gradsync.profiler.probe) on 2 real Gloo ranks: the relative error of each setting against
+dense all-reduce on the same gradients (exact settings 0, fp16 near 0, PowerSGD's error falling with its
+rank), identical on every rank; the meter with a primary hook trains exactly as that hook alone; timed
+candidates report positive times, identical on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from distributed import run_ranks
+
+
+def _job(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
+    return model, batches
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+ENTRIES = ["allreduce", "fp16", "powersgd-overlap:matrix_approximation_rank=1",
+           "powersgd-overlap:matrix_approximation_rank=4", "powersgd:matrix_approximation_rank=4",
+           "covap:ratio=2:cast=fp16", "topk:density=0.1"]
+
+
+def _quality(rank, world):
+    from gradsync.profiler.probe import measure_quality, time_candidates
+
+    model, batches = _job(rank)
+    before = [p.detach().clone() for p in model.parameters()]
+    errors = measure_quality(model, batches, F.cross_entropy, _optimizer, ENTRIES, bucket_cap_mb=0.005)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was probed
+    timed = time_candidates(model, batches, F.cross_entropy, _optimizer, ["allreduce", "fp16"], bucket_cap_mb=0.005)
+    return errors, {e: (p.iteration_s, p.wire_bytes_per_step) for e, p in timed.items()}
+
+
+def test_errors_against_dense_are_exact_for_exact_settings_and_the_same_on_every_rank():
+    (e0, t0), (e1, t1) = run_ranks(_quality, 2, timeout=180)
+    assert e0 == e1 and t0 == t1  # every rank decides alike
+    assert e0["allreduce"] < 1e-6  # the same arithmetic as the reference (summation order aside)
+    assert 0 < e0["fp16"] < 1e-3  # one rounding to 11 significant bits
+    r1, r4 = e0["powersgd-overlap:matrix_approximation_rank=1"], e0["powersgd-overlap:matrix_approximation_rank=4"]
+    assert 0.05 < r4 < r1 < 2  # a higher rank keeps more of the gradient
+    assert e0["powersgd:matrix_approximation_rank=4"] == r4  # torch's PowerSGD is measured as the overlapped one
+    assert 0.1 < e0["covap:ratio=2:cast=fp16"] < 2 and 0.1 < e0["topk:density=0.1"] < 2
+    assert all(s > 0 for s, _ in t0.values())
+    assert t0["fp16"][1] == t0["allreduce"][1] / 2  # half the wire bytes of the dense all-reduce
+
+
+def _primary(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradsync.algorithms import build_hook
+    from gradsync.profiler.probe import QualityMeter, metered_hook
+
+    out = []
+    for metered in (False, True):
+        model, batches = _job(rank)
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+        state, hook = build_hook("powersgd-overlap", model=model, matrix_approximation_rank=2)
+        meter = QualityMeter([(state, hook)], primary=0)
+        if metered:
+            ddp.register_comm_hook(meter, metered_hook)
+        else:
+            ddp.register_comm_hook(state, hook)
+        opt = _optimizer(ddp.parameters())
+        for i, (x, y) in enumerate(batches):
+            meter.on = i % 2 == 1
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        out.append(([p.detach().clone() for p in model.parameters()], meter.sums()))
+    return out
+
+
+def test_a_metered_primary_hook_trains_exactly_as_the_hook_alone():
+    for (plain, _), (metered, sums) in run_ranks(_primary, 2, timeout=180):
+        assert all(torch.equal(a, b) for a, b in zip(plain, metered))
+        assert sums[0, 0] > 0 and sums[0, 1] > 0  # measured on the odd steps
