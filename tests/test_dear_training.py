@@ -389,3 +389,59 @@ def test_dear_covap_resume_continues_exactly():
     # without the filter's residuals the resumed run diverges: the saved state is what makes it exact
     res = run_ranks(_covap_resume_run, 2, 7, 4, False, timeout=180, pg_timeout=60)
     assert all(r["diff"] > 1e-6 for r in res), res
+
+
+# ------------------------------------------------------------------ checkpoints hold the model once
+def _dear_checkpoint_sizes(rank, world_size, root):
+    import os
+
+    import torch.nn.functional as F
+    from every_algorithm import batches, build_small
+
+    from gradsync.train import checkpoint as C
+    from gradsync.train.config import TrainConfig
+
+    out = {}
+    data = batches(rank, 6)
+    for name in ("dear", "dear-covap"):
+        cfg = TrainConfig(algorithm=name, resume=f"{root}/{name}")
+        torch.manual_seed(1)
+        dp = build_small(name)
+        sched = torch.optim.lr_scheduler.StepLR(dp.optimizer, 10)
+        for x, y in data[:3]:
+            dp.train_step(x, y, F.cross_entropy)
+        C.save_training_checkpoint(cfg.resume, cfg, dp, sched, epoch=0, epoch_step=3, step=3, train_seconds=0.0,
+                                   iterations=[], epochs=[])
+        saved = C.load_checkpoint(cfg.resume, rank, world_size)
+        buf = io.BytesIO()
+        torch.save(dp.wrapper.state_dict(), buf)  # what the algorithm entry held before: model and optimizer again
+        buf.seek(0)
+        old_format = torch.load(buf, weights_only=True)
+        full = [dp.train_step(x, y, F.cross_entropy).item() for x, y in data[3:]]
+        dp.close()
+        resumed = {}
+        for fmt, algo in (("new", saved["algorithm"]), ("old", old_format)):
+            torch.manual_seed(99)
+            dp = build_small(name)
+            sched = torch.optim.lr_scheduler.StepLR(dp.optimizer, 10)
+            C.restore_training(cfg, dp, sched) if fmt == "new" else dp.load_state_dict(algo)
+            resumed[fmt] = [dp.train_step(x, y, F.cross_entropy).item() for x, y in data[3:]]
+            dp.close()
+        out[name] = {"keys": sorted(saved["algorithm"]), "full": full, "resumed": resumed,
+                     "bytes": os.path.getsize(C.checkpoint_file(cfg.resume, rank)),
+                     "model_bytes": sum(t.numel() * t.element_size() for t in saved["model"].values())}
+    return out
+
+
+def test_dear_checkpoints_hold_the_model_and_optimizer_once_and_old_ones_still_load(tmp_path):
+    """Before, the algorithm entry of a DeAR checkpoint was DeAR's whole state_dict: the model and
+    the optimizer a second time beside the checkpoint's own copies (about twice the bytes)."""
+    res = run_ranks(_dear_checkpoint_sizes, 2, str(tmp_path), timeout=120, pg_timeout=60)
+    for r in res:
+        for name, v in r.items():
+            assert v["keys"] == ["dear"], (name, v["keys"])
+            # model + momentum (+ dear-covap's residuals) once: less than one more model's bytes on top,
+            # where the second copy of model and momentum added two
+            copies = 2 if name == "dear" else 3
+            assert v["bytes"] < (copies + 1) * v["model_bytes"], (name, v["bytes"], v["model_bytes"])
+            assert v["resumed"] == {"new": v["full"], "old": v["full"]}, name

@@ -308,12 +308,16 @@ class DeARSynchroniser(_Common):
         return {**self.wrapper.config(), "algorithm": self.name, **self.algorithm.config()}
 
     def state_dict(self) -> dict[str, Any]:
-        """DeAR's state: model, optimizer, iteration, fusion threshold and the filter's residuals."""
-        return self.wrapper.state_dict()
+        """DeAR's own state (``{"dear": ...}``: iteration, fusion threshold, tuner, the filter's
+        residuals), flushed first. The model and the optimizer are the caller's to save, as with a
+        hook algorithm (a checkpoint holds them once); ``self.wrapper.state_dict()`` has all three."""
+        return {"dear": self.wrapper.state_dict()["dear"]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """DeAR's ``load_state_dict`` (model and optimizer through torch's loaders, which place them);
-        the filter's state moved to the module's device first, as a hook's state is
+        """DeAR's ``load_state_dict`` of a :meth:`state_dict`, the model and optimizer already loaded
+        by the caller; a state that holds them too (checkpoints written before they were left out)
+        loads them as well, through torch's loaders, which place them. The filter's state is moved
+        to the module's device first, as a hook's state is
         (:func:`~gradsync.algorithms.state_io.load_state`)."""
         device = module_device(self.module)
         dear = state.get("dear")

@@ -435,6 +435,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         are rebuilt with the saved threshold; the :attr:`filter_state` is restored when the saved
         state has one; with ``broadcast_buffers`` every rank then takes rank 0's
         loaded buffers (:meth:`sync_buffers`), as the next training forward would under DDP.
+        ``"model"`` and ``"optimizer"`` may be left out by a caller that loads them itself
+        (``gradsync train``'s checkpoints hold them once, beside the algorithm state).
 
         Raises:
             RuntimeError: if called between a backward pass and ``step()``.
@@ -442,8 +444,10 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         if self._mid_iteration():
             raise RuntimeError("load_state_dict must be called between iterations")
         self.flush()
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "model" in state:  # absent where the caller restores model and optimizer itself
+            self.model.load_state_dict(state["model"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         d = state["dear"]
         self.iteration = int(d["iteration"])
         self.fusion_mb = float(d["fusion_mb"])
