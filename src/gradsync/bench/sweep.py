@@ -149,7 +149,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
 
     An ``auto`` row of ``timing`` (the entry :mod:`gradsync.profiler.auto` chose on that network) is
     predicted with the steps of the entry it chose and its own iteration time (the tail's of the entry it
-    chose, if that has a dense tail); ``"auto_choice"`` names
+    chose, if that has a dense tail), plus the seconds auto spent measuring on that network
+    (``probe_seconds``); ``"auto_choice"`` names
     the entry (None without an auto row; an ``auto`` whose choice was not swept is left out, named in
     ``"auto_not_swept"``).
 
@@ -169,9 +170,11 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"timing's world size ({timing['world_size']}) must equal the quality runs' "
                          f"({quality['world_size']})")
 
+    probe_s = timing.get("chosen_from_ccr", {}).get("auto", {}).get("probe_seconds") or 0.0
+
     def seconds(name: str, steps: float) -> float:
         tail_s = it[tail_timing_entry(chosen[name])] if dense_tail(chosen[name]) else None
-        return dense_tail_seconds(chosen[name], steps, it[name], tail_s)
+        return dense_tail_seconds(chosen[name], steps, it[name], tail_s) + (probe_s if name == "auto" else 0.0)
 
     curves = {name: [[[p[0], seconds(name, p[0]), p[2]] for p in c] for c in per_seed]
               for name, per_seed in quality["curves"].items()}
