@@ -2,12 +2,13 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.gradsync-installed
+TVPTH  := $(VENV)/.gradsync-torchvision-pth
 FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 KJV    := /usr/lib/bible.data
 
 .PHONY: setup data demo reproduce test docs clean
 
-setup: $(STAMP) data
+setup: $(STAMP) $(TVPTH) data
 
 # torch is pinned explicitly: an unpinned torch pulls a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -15,6 +16,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[all]'
+	touch $@
+
+# The torchvision wheel for torch 2.13 is CUDA-built: beside the CPU torch its import fails ("operator
+# torchvision::nms does not exist") unless two operator schemas are defined first. A start-up hook
+# (gradsync-torchvision.pth in the venv, gradsync.extras) defines them before whoever imports it first
+# (Lightning, Transformers, a user), so any import order works.
+$(TVPTH): $(STAMP) src/gradsync/extras.py
+	$(PY) -m gradsync.extras --write-torchvision-pth
 	touch $@
 
 # Real datasets from Debian: Fashion-MNIST idx files and the King James Bible text.

@@ -21,7 +21,9 @@ and MaxViT need larger inputs and are not offered.
 ``torchvision/_meta_registrations.py`` registers fake kernels for ``torchvision::nms`` and
 ``torchvision::qnms`` without checking that the extension loaded (its other registrations check).
 :func:`torchvision_models` retries such a failed import after defining those two operator schemas
-(no kernels), which is all the import needs; the models are plain ``torch.nn`` and work. The
+(no kernels; :func:`gradsync.extras.define_missing_torchvision_ops`, which ``make setup`` also runs
+before any first ``import torchvision`` through a ``.pth`` start-up hook, so Lightning and Transformers
+import it in any order), which is all the import needs; the models are plain ``torch.nn`` and work. The
 detection operators stay unavailable and raise torchvision's own "Couldn't load custom C++ ops"
 ``RuntimeError`` if called. Where the extension loads (a matching CUDA build of torch), the import
 succeeds the first time and nothing is defined.
@@ -47,8 +49,6 @@ SMALL_INPUT_MODELS: tuple[str, ...] = (
 # a tuple in training mode (a loss of logits needs one tensor); init_weights=True is its current
 # initialisation, passed to silence its FutureWarning.
 _EXTRA_ARGS: dict[str, dict[str, Any]] = {"googlenet": {"aux_logits": False, "init_weights": True}}
-_MISSING_OPS = ("nms", "qnms")
-_shim_library: torch.library.Library | None = None  # kept alive: a collected Library undoes its defs
 
 
 def _purge_torchvision() -> None:
@@ -64,7 +64,8 @@ def torchvision_models() -> types.ModuleType:
         ImportError: if torchvision is not installed, or cannot be imported even with the operator
             schemas defined; the message says what to install.
     """
-    global _shim_library
+    from ..extras import define_missing_torchvision_ops
+
     try:
         import torchvision.models as models
         return models
@@ -74,14 +75,13 @@ def torchvision_models() -> types.ModuleType:
         raise ImportError("torchvision models need the 'torchvision' package, which is not installed: "
                           "pip install 'gradsync[vision]'") from exc
     except RuntimeError as exc:
-        if "torchvision::" not in str(exc) or _shim_library is not None:
+        if "torchvision::" not in str(exc):
             raise
         first_error = exc
     _purge_torchvision()
-    lib = torch.library.Library("torchvision", "FRAGMENT")
-    for op in _MISSING_OPS:
-        lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    _shim_library = lib
+    if not define_missing_torchvision_ops():
+        raise ImportError(f"torchvision cannot be imported beside torch {torch.__version__}: {first_error}") \
+            from first_error
     try:
         import torchvision.models as models
     except Exception as exc:  # noqa: BLE001 - reported with the original failure
