@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -88,20 +89,35 @@ def test_no_file_under_src_holds_the_grids_rows():
     assert data["rows"] and all("source" in r and r["steps"] > 0 for r in data["rows"])
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"algorithm": "auto", "options": {"ratio": 2}}, "ratio"),
-    ({"algorithm": "auto", "resume": "runs/x"}, "resume"),
-])
-def test_train_auto_refuses_options_and_resume(kwargs, name):
-    with pytest.raises(ValueError, match=name):
-        TrainConfig(**kwargs)
+def test_train_auto_refuses_options():
+    with pytest.raises(ValueError, match="ratio"):
+        TrainConfig(algorithm="auto", options={"ratio": 2})
 
 
-def test_train_auto_measures_chooses_and_names_the_choice(tmp_path):
-    proc = run_cli(["train", "--algorithm", "auto", "--max-steps", "3", "--train-samples", "1024",
-                    "--eval-samples", "200", "--no-progress", "--out", str(tmp_path)], timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    s = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+def test_train_auto_measures_chooses_and_resumes_with_its_choice(tmp_path):
+    common = ["train", "--algorithm", "auto", "--train-samples", "1024", "--eval-samples", "200", "--no-progress",
+              "--workers", "2"]
+    ckpt = tmp_path / "ckpt"
+    first = run_cli([*common, "--max-steps", "6", "--checkpoint", ckpt, "--checkpoint-every", "3",
+                     "--out", tmp_path / "first"], timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    s = json.loads((tmp_path / "first" / "metrics.json").read_text())["summary"]
     # loopback: the all-reduce is far faster than the backward pass
     assert s["algorithm"] == "auto" and s["auto_choice"] == "allreduce" and s["auto_ccr"] < 0.5
-    assert s["auto_reason"].startswith("CCR ") and "auto chose" in proc.stdout
+    assert s["auto_reason"].startswith("CCR ") and "auto chose" in first.stdout and s["auto_probe_seconds"] > 0
+    # resumed with auto: the recorded choice, no new measurement; steps 7-9 as a resume that names the choice
+    shutil.copytree(ckpt, tmp_path / "ckpt-named")
+    resumed = run_cli([*common, "--max-steps", "9", "--checkpoint", ckpt, "--resume", "latest",
+                       "--out", tmp_path / "resumed"], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = json.loads((tmp_path / "resumed" / "metrics.json").read_text())
+    assert r["summary"]["auto_choice"] == "allreduce" and "resumed from" in r["summary"]["auto_reason"]
+    named = run_cli([*common[:2], "allreduce", *common[3:], "--max-steps", "9", "--checkpoint", tmp_path / "ckpt-named",
+                     "--resume", "latest", "--out", tmp_path / "named"], timeout=300)
+    assert named.returncode == 0, named.stderr[-3000:]
+    n = json.loads((tmp_path / "named" / "metrics.json").read_text())
+    losses = {int(i["step"]): i["loss"] for i in r["iterations"]}
+    assert sorted(losses) == list(range(1, 10))
+    assert [losses[k] for k in (7, 8, 9)] == [i["loss"] for i in n["iterations"] if i["step"] > 6]
+    first_losses = json.loads((tmp_path / "first" / "metrics.json").read_text())["iterations"]
+    assert [losses[k] for k in range(1, 7)] == [i["loss"] for i in first_losses]

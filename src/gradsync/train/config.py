@@ -99,10 +99,6 @@ class TrainConfig(SharedConfig):
             if self.options:
                 raise ValueError(f"options {', '.join(sorted(self.options))} cannot be given with algorithm 'auto', "
                                  f"which chooses the algorithm and its options; name an algorithm to set them")
-            if self.resume:
-                raise ValueError("resume needs the algorithm the interrupted run used, not 'auto' (a new "
-                                 "measurement could choose another): pass the algorithm and options its summary "
-                                 "names (metrics.json: auto_choice)")
         else:
             self.options = make_options(self.algorithm, self.options).to_dict()
 

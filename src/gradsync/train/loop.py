@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -25,9 +26,39 @@ from ..profiler.ccr import measure_ccr
 from ..profiler.compute import time_compute
 from ..profiler.stragglers import gather_stragglers
 from ..workloads import get_workload, load_data
-from .checkpoint import epoch_dir, restore_training, resume_batches, save_training_checkpoint, step_dir
+from .checkpoint import (epoch_dir, load_checkpoint, resolve_resume, restore_training, resume_batches,
+                         save_training_checkpoint, step_dir)
 from .config import TrainConfig
 from .evaluate import evaluate
+
+
+
+def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
+                  workload: Any, loss_fn: Callable, make_optimizer: Callable, bucket_cap_mb: float, rank: int,
+                  world: int, device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
+    """``cfg`` with ``--algorithm auto`` replaced by the setting auto chose, and the figures for the
+    summary (collective). A resumed run takes the choice its checkpoint recorded (measuring again could
+    choose another setting, whose state the checkpoint does not hold); a run without a checkpoint to
+    resume measures and chooses (:func:`~gradsync.profiler.auto.resolve_auto`)."""
+    if cfg.resume:
+        path = resolve_resume(cfg.resume, cfg.checkpoint, rank, world)
+        if path is not None:
+            recorded = load_checkpoint(path, rank, world)["config"]
+            entry = ":".join([recorded["algorithm"], *(f"{k}={v}" for k, v in recorded["options"].items())])
+            if rank == 0:
+                print(f"auto: {entry}: the choice recorded in {path}", flush=True)
+            return (dataclasses.replace(cfg, algorithm=recorded["algorithm"], options=recorded["options"]),
+                    {"auto_choice": entry, "auto_reason": f"resumed from {path}"})
+    probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
+                          augment=lambda t: workload.augment(t.to(device)))
+    probe = [(x, y.to(device)) for x, y in probe]
+    decision = resolve_auto(model, probe, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
+                            cfg.batch_size, bucket_cap_mb, seed=cfg.seed)
+    if rank == 0:
+        print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took "
+              f"{decision.probe_seconds:.1f} s)", flush=True)
+    name, options = parse_entry(decision.entry)
+    return dataclasses.replace(cfg, algorithm=name, options=options), decision.summary()
 
 
 def continue_schedule(make: Callable[[int], Any], saved_total: int, total: int, step: int,
@@ -119,18 +150,11 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=bucket_cap_mb, device=device,
                        seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch,
                        scaler=precision.scaler)
-    algorithm, options, auto = cfg.algorithm, cfg.options, None
-    if algorithm == AUTO:
-        probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
-                              augment=lambda t: workload.augment(t.to(device)))
-        probe = [(x, y.to(device)) for x, y in probe]
-        decision = resolve_auto(model, probe, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
-                                cfg.batch_size, bucket_cap_mb, seed=cfg.seed)
-        algorithm, options = parse_entry(decision.entry)
-        auto = decision.summary()
-        if rank == 0:
-            print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took "
-                  f"{decision.probe_seconds:.1f} s)", flush=True)
+    requested, auto = cfg.algorithm, None
+    if cfg.algorithm == AUTO:
+        cfg, auto = _resolve_auto(cfg, model, train_x, train_y, workload, loss_fn, make_optimizer, bucket_cap_mb,
+                                  rank, world, device)
+    algorithm, options = cfg.algorithm, cfg.options
     dp = build(algorithm, ctx, options)
     opt = dp.optimizer
     check_config_agreement(dp.config())
@@ -238,7 +262,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     run_steps = max(1, step - start_step)
     iter_times = [it["iter_s"] for it in iterations]
     summary = {
-        "algorithm": cfg.algorithm,
+        "algorithm": requested,
         **(auto or {}),
         "world_size": world,
         "epochs": len(epoch_log),
