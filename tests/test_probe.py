@@ -83,3 +83,29 @@ def test_a_metered_primary_hook_trains_exactly_as_the_hook_alone():
     for (plain, _), (metered, sums) in run_ranks(_primary, 2, timeout=180):
         assert all(torch.equal(a, b) for a, b in zip(plain, metered))
         assert sums[0, 0] > 0 and sums[0, 1] > 0  # measured on the odd steps
+
+
+def _script(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradsync
+
+    model, batches = _job(rank)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    state, decision = gradsync.register_auto(ddp, opt, batches, F.cross_entropy)
+    for x, y in batches[:3]:
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return decision.entry, decision.advice.reason, state.stats()["wire_bytes"] > 0, ddp.gradsync_state is state
+
+
+def test_register_auto_in_a_script_chooses_alike_on_every_rank_and_trains():
+    from gradsync.algorithms import REGISTRY, parse_entry
+
+    (e0, why, sent, same), (e1, _, _, _) = run_ranks(_script, 2, timeout=180)
+    # the choice depends on this machine's load (loopback all-reduce vs backward): only what holds for any
+    spec = REGISTRY[parse_entry(e0)[0]]
+    assert e0 == e1 and spec.make_hook is not None and not spec.single_bucket  # a hook for the script's buckets
+    assert why.startswith("CCR ") and sent and same

@@ -26,6 +26,14 @@ The profiler sits above algorithms (it measures one), so algorithms take DDP's b
 __version__ = "0.1.0"
 
 
+def register_auto(ddp, optimizer, batches, loss_fn):
+    """``--algorithm auto`` in a torchrun script: measure, choose and register the hook on ``ddp``
+    (:func:`gradsync.profiler.auto.register_auto`, which documents the arguments, returns and errors)."""
+    from .profiler.auto import register_auto as _register_auto
+
+    return _register_auto(ddp, optimizer, batches, loss_fn)
+
+
 def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_cap_mb: float = 25.0, scaler=None,
          **options):
     """Wrap the bare module ``model`` for data-parallel training with ``algorithm``.

@@ -43,7 +43,7 @@ from .probe import QUALITY_STEPS, measure_quality, time_candidates
 from .profile import ccr_at, record_profile
 
 __all__ = ["AUTO", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
-           "probe_batches", "resolve_auto"]
+           "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -212,3 +212,57 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, optimizer, bucket_cap_mb,
                       allowed=allowed, group=group, seed=seed)
     return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0)
+
+
+def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[Any, AutoDecision]:
+    """Collective: ``--algorithm auto`` for a script's own ``DistributedDataParallel``: measure on copies
+    of ``ddp.module`` (:func:`resolve_auto`), then register the chosen communication hook on ``ddp``.
+    Call it on every rank after building ``ddp`` and ``optimizer`` and before training::
+
+        ddp = DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        state, decision = gradsync.register_auto(ddp, opt, [next(batches) for _ in range(8)], F.cross_entropy)
+
+    Args:
+        ddp: a ``DistributedDataParallel`` without a communication hook (its process group and bucket
+            size are used).
+        optimizer: the job's optimizer; copies (same class and defaults) train the probes. Adam and
+            AdamW count as the Adam family (the quality model's stricter limit), anything else as SGD.
+        batches: this rank's ``(inputs, targets)`` batches on the model's device, different on every
+            rank as in training (8 are measured: :data:`~gradsync.profiler.probe.QUALITY_STEPS`).
+        loss_fn: ``loss_fn(ddp(inputs), targets) -> 0-d tensor``.
+
+    Returns:
+        ``(state, decision)``: the registered hook's state (``stats()``, ``state_dict()`` for
+        checkpoints; also ``ddp.gradsync_state``) and the :class:`AutoDecision` (``entry``,
+        ``advice.reason``, what was measured and what it cost).
+
+    Raises:
+        ValueError: for a ``ddp`` that is no ``DistributedDataParallel``, empty ``batches`` or a world
+            size < 2.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from ..algorithms import REGISTRY, build_hook, parse_entry
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
+    family = "adamw" if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else "sgd"
+
+    def make_optimizer(params):
+        return type(optimizer)(params, **optimizer.defaults)
+
+    def usable(entry: str) -> bool:  # a hook that works on the script's DDP buckets
+        spec = REGISTRY[parse_entry(entry)[0]]
+        return spec.make_hook is not None and not spec.single_bucket
+
+    bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
+    decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, family, "script",
+                            int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb, allowed=usable,
+                            group=ddp.process_group)
+    name, options = parse_entry(decision.entry)
+    state, hook = build_hook(name, process_group=ddp.process_group, model=ddp.module, **options)
+    ddp.register_comm_hook(state, hook)
+    ddp.gradsync_state = state
+    return state, decision
