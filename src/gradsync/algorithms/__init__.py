@@ -33,7 +33,8 @@ def register(spec: AlgorithmSpec) -> None:
 
 #: Modules that register algorithms, in registration order; each exports ``SPECS``. Adding an
 #: algorithm is its module plus its name here.
-ALGORITHM_MODULES = ("allreduce", "covap", "powersgd", "powersgd_overlap", "compressed", "gravac", "oscar", "dear")
+ALGORITHM_MODULES = ("allreduce", "covap", "powersgd", "powersgd_overlap", "compressed", "gravac", "oscar", "dear",
+                     "ladder")
 
 for _module in ALGORITHM_MODULES:
     for _spec in importlib.import_module(f"{__name__}.{_module}").SPECS:

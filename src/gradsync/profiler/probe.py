@@ -33,128 +33,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.collectives import collective_device
 from ..validation import check_int
+from ..algorithms.meter import ProxyBucket, QualityMeter, metered_hook, relative_errors  # noqa: F401
 from .compute import device_clock
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "measure_quality",
            "quality_proxy", "time_candidates", "START_STEPS", "QUALITY_STEPS"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class ProxyBucket:
-    """A stand-in for a DDP ``GradBucket`` over a private copy of its buffer: the same index, last flag
-    and gradient layout, so a second hook can compress the same gradients without touching the real
-    bucket (``buffer()``: ``[numel]`` tensor of the bucket's dtype and device)."""
-
-    def __init__(self, bucket: Any):
-        self._buffer = bucket.buffer().detach().clone()
-        self._index, self._last = bucket.index(), bucket.is_last()
-        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
-        self._grads = [self._buffer[(g.data_ptr() - base) // size:][:g.numel()].view(g.shape)
-                       for g in bucket.gradients()]
-        self._params = bucket.parameters()
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return self._index
-
-    def is_last(self) -> bool:
-        return self._last
-
-    def gradients(self) -> list:
-        return self._grads
-
-    def parameters(self) -> list:
-        return self._params
-
-
-class QualityMeter:
-    """Measures communication hooks against dense all-reduce on the same gradients.
-
-    While :attr:`on`, each bucket is also all-reduced densely (issued from the hook body before any
-    hook's collective, so every rank issues the same collectives in the same order) and every hook's
-    aggregate ``c`` is compared with the dense average ``d``. Off, only the primary hook runs.
-
-    Args:
-        hooks: ``[(state, hook), ...]``; every hook must issue its collectives from the hook body
-            (gradsync's hooks do; torch's ``powerSGD_hook`` does not: meter it as the primary only,
-            on one bucket).
-        primary: the index of the hook that gets the real bucket and whose result DDP receives; None:
-            DDP receives the dense average (every hook works on a :class:`ProxyBucket`).
-        process_group: the group of the collectives.
-
-    Attributes:
-        on: measure this step (set alike on every rank, from the step counter).
-        error_sq, reference_sq: per hook, float64 0-d tensors: ``sum ||c - d||^2`` and ``sum ||d||^2``
-            over the buckets measured since :meth:`reset`.
-        dense_wire_bytes: wire bytes of the meter's own dense all-reduces (ring, ``2(P-1)/P x n``).
-    """
-
-    def __init__(self, hooks: Sequence[tuple[Any, Callable]], primary: Optional[int] = None,
-                 process_group: Any = None):
-        self.hooks = list(hooks)
-        self.primary = primary
-        self.process_group = process_group
-        self.on = False
-        self.dense_wire_bytes = 0.0
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the sums."""
-        self.error_sq: list[Optional[torch.Tensor]] = [None] * len(self.hooks)
-        self.reference_sq: list[Optional[torch.Tensor]] = [None] * len(self.hooks)
-
-    def sums(self) -> torch.Tensor:
-        """``[len(hooks), 2]`` float64 tensor on the collective device: each hook's ``[error_sq,
-        reference_sq]`` (zeros before any measured bucket), to be all-reduced (:func:`relative_errors`)."""
-        rows = [torch.stack([e, r]).cpu() if e is not None else torch.zeros(2, dtype=torch.float64)
-                for e, r in zip(self.error_sq, self.reference_sq)]
-        return torch.stack(rows).to(collective_device(self.process_group))
-
-    def _add(self, i: int, out: torch.Tensor, dense: torch.Tensor) -> None:
-        e = (out.double() - dense.double()).pow(2).sum()
-        r = dense.double().pow(2).sum()
-        self.error_sq[i] = e if self.error_sq[i] is None else self.error_sq[i] + e
-        self.reference_sq[i] = r if self.reference_sq[i] is None else self.reference_sq[i] + r
-
-
-def relative_errors(sums: torch.Tensor) -> list[float]:
-    """``sqrt(error_sq / reference_sq)`` of each row of :meth:`QualityMeter.sums` (0 where both are 0:
-    nothing measured, or an all-zero gradient)."""
-    return [(e / r) ** 0.5 if r > 0 else 0.0 for e, r in sums.cpu().tolist()]
-
-
-def _value(fut: torch.futures.Future) -> torch.Tensor:
-    v = fut.value()
-    return v[0] if isinstance(v, (list, tuple)) else v
-
-
-def metered_hook(meter: QualityMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The meter's DDP hook (see :class:`QualityMeter`); the comparison runs in a callback that issues
-    no collective."""
-    if not meter.on:
-        state, hook = meter.hooks[meter.primary or 0]
-        return hook(state, bucket)
-    dense = bucket.buffer().detach().clone()
-    world = dist.get_world_size(meter.process_group)
-    meter.dense_wire_bytes += 2 * (world - 1) / world * dense.numel() * dense.element_size()
-    dense_fut = dist.all_reduce(dense, group=meter.process_group, async_op=True).get_future()
-    futs = [hook(state, bucket if i == meter.primary else ProxyBucket(bucket))
-            for i, (state, hook) in enumerate(meter.hooks)]
-
-    def compare(done: torch.futures.Future) -> torch.Tensor:
-        *outs, _ = (_value(f) for f in done.value())
-        average = dense.div_(world)
-        for i, out in enumerate(outs):
-            meter._add(i, out, average)
-        if meter.primary is None:
-            bucket.buffer().copy_(average)
-            return bucket.buffer()
-        return outs[meter.primary]
-
-    return torch.futures.collect_all([*futs, dense_fut]).then(compare)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,213 @@
+"""A compressed setting that escalates when its measured quality degrades (GraVAC's controller over a
+ladder of settings; Tyagi & Sharma 2023, arXiv 2305.12201, §3.3: lower the compression when the
+compression gain falls below a threshold).
+
+The ``ladder`` hook runs one rung at a time, starting at ``start``: PowerSGD (overlapped with backward)
+at rank r, then 2r, ... up to 16, then the fp16 cast, then dense all-reduce; any other start goes to
+fp16, then dense. Every ``check_every`` iterations one step runs under a
+:class:`~gradsync.algorithms.meter.QualityMeter`: the buckets are also all-reduced densely, and the
+relative error of the rung's aggregate against the dense one is all-reduced at the next step's first
+bucket, so every rank takes the same decision. Above ``max_error`` the next rung takes over from that
+step on (its error-feedback residual starts at zero). This replaces a dense tail fixed in advance with
+one the job's own gradients call for: late in a schedule a rank-r approximation stops capturing the
+gradient.
+
+Switches are printed on rank 0, reported in :meth:`LadderState.stats` (``rung``, ``switches``) and per
+step (``ladder_rung``, ``ladder_error``), counted in the wire bytes (every rung's collectives and the
+meter's dense all-reduces), and kept in :meth:`LadderState.state_dict`.
+"""
+
+# No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm.collectives import collective_device
+from ..options import Options, option
+from .base import HookState
+from .meter import QualityMeter, metered_hook, relative_errors
+from .spec import hook_algorithm
+
+#: The quality model's SGD limit (gradsync.profiler.quality_model.FITTED.max_error; the profiler sits above
+#: the algorithms, so the number is repeated here and a test keeps the two equal).
+DEFAULT_MAX_ERROR = 0.383
+
+
+@dataclass(frozen=True)
+class LadderOptions(Options):
+    """Options of ``ladder``."""
+
+    OWNER = "ladder"
+    start: str = option("powersgd-overlap/matrix_approximation_rank=4",
+                        "the first rung, a --algorithms entry with / for : (a hook that works on DDP's buckets)")
+    check_every: int = option(50, "iterations between quality checks", low=1, high=1_000_000, units="iterations")
+    max_error: float = option(DEFAULT_MAX_ERROR, "escalate when the measured relative error exceeds this",
+                              low=0.0, high=10.0, low_open=True)
+
+
+def rungs(start: str) -> list[str]:
+    """The ladder from ``start`` (an entry, ``:`` or ``/`` between its items): PowerSGD ranks doubling
+    up to 16, then ``fp16``, then ``allreduce``.
+
+    Raises:
+        ValueError: for an unknown or non-hook algorithm, bad options, or an algorithm that needs DDP
+            built with one bucket (torch's ``powersgd``: use ``powersgd-overlap``).
+    """
+    from . import REGISTRY, parse_entry
+
+    entry = start.replace("/", ":")
+    name, options = parse_entry(entry)
+    spec = REGISTRY[name]
+    if spec.make_hook is None or spec.single_bucket:
+        raise ValueError(f"start must be a communication hook that works on DDP's buckets; {name!r} is not "
+                         f"(for PowerSGD use powersgd-overlap)")
+    out = [entry]
+    if name == "powersgd-overlap":
+        r = int(options.get("matrix_approximation_rank", 2))
+        while r < 16:
+            r = min(16, 2 * r)
+            out.append(f"powersgd-overlap:matrix_approximation_rank={r}")
+    for tail in ("fp16", "allreduce"):
+        if tail not in out:
+            out.append(tail)
+    return out
+
+
+class LadderState(HookState):
+    """State of :func:`ladder_hook`.
+
+    Args:
+        start, check_every, max_error: see :class:`LadderOptions`.
+        model: the module DDP wraps (passed to each rung's builder).
+        process_group: the group of every collective.
+        seed: the rungs' seed.
+
+    Raises:
+        ValueError: for a bad ``start`` (see :func:`rungs`).
+    """
+
+    def __init__(self, start: str, check_every: int = 50, max_error: float = DEFAULT_MAX_ERROR, model: Any = None,
+                 process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
+        super().__init__(process_group)
+        self.rungs = rungs(start)
+        self.check_every, self.max_error = check_every, max_error
+        self.model, self.seed = model, seed
+        self.index = 0
+        self.switches: list[dict[str, Any]] = []
+        self.retired: dict[str, float] = {}
+        self.last_error: Optional[float] = None
+        self._pending_check = False
+        self._in_step = False
+        self.meter = QualityMeter([self._build(0)], primary=0, process_group=process_group)
+
+    def _build(self, index: int) -> tuple:
+        from . import REGISTRY, BuildContext, make_options, parse_entry
+
+        name, options = parse_entry(self.rungs[index])
+        ctx = BuildContext(model=self.model, make_optimizer=None, process_group=self.process_group, seed=self.seed)
+        return REGISTRY[name].make_hook(make_options(name, options), ctx)
+
+    @property
+    def current(self) -> str:
+        """The rung in use (an ``--algorithms`` entry)."""
+        return self.rungs[self.index]
+
+    def _decide(self) -> None:
+        """All-reduce the last check's sums (from the hook body: the same collective on every rank) and
+        escalate above ``max_error``."""
+        sums = self.meter.sums().to(collective_device(self.process_group))
+        dist.all_reduce(sums, group=self.process_group)
+        self.count_collective(sums)
+        self.last_error = relative_errors(sums / dist.get_world_size(self.process_group))[0]
+        self.meter.reset()
+        if self.last_error > self.max_error and self.index + 1 < len(self.rungs):
+            old = self.current
+            inner = self.meter.hooks[0][0]
+            for key, value in inner.stats().items():
+                if key in ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped"):
+                    self.retired[key] = self.retired.get(key, 0) + value
+            inner.close()
+            self.index += 1
+            self.meter.hooks = [self._build(self.index)]
+            self.switches.append({"iteration": self.iteration, "from": old, "to": self.current,
+                                  "error": self.last_error})
+            if not dist.is_initialized() or dist.get_rank(self.process_group) == 0:
+                print(f"ladder: iteration {self.iteration}: relative error {self.last_error:.3f} > {self.max_error:g}: "
+                      f"{old} -> {self.current}", flush=True)
+
+    # -- the protocol ------------------------------------------------------------------------------
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        out = {"ladder_rung": float(self.index)}
+        if self.last_error is not None:
+            out["ladder_error"] = self.last_error
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        inner = self.meter.hooks[0][0].stats()
+        out = dict(super().stats())
+        for key in ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped"):
+            out[key] = out[key] + self.retired.get(key, 0) + inner.get(key, 0)
+        out["wire_bytes"] += self.meter.dense_wire_bytes
+        from .base import compression_ratio
+
+        out["compression_ratio"] = compression_ratio(out["dense_wire_bytes"], out["wire_bytes"])
+        out.update(rung=self.current, switches=len(self.switches))
+        return out
+
+    def config(self) -> dict[str, Any]:
+        return {"algorithm": "ladder", "rungs": list(self.rungs), "check_every": self.check_every,
+                "max_error": self.max_error}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "index": self.index, "switches": list(self.switches),
+                "retired": dict(self.retired), "last_error": self.last_error,
+                "meter_dense_wire_bytes": self.meter.dense_wire_bytes, "pending_check": self._pending_check,
+                "inner": self.meter.hooks[0][0].state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.iteration = int(state["iteration"])
+        index = int(state["index"])
+        if index != self.index:
+            self.meter.hooks[0][0].close()
+            self.index = index
+            self.meter.hooks = [self._build(index)]
+        self.switches = list(state["switches"])
+        self.retired = dict(state["retired"])
+        self.last_error = state["last_error"]
+        self.meter.dense_wire_bytes = float(state["meter_dense_wire_bytes"])
+        self._pending_check = bool(state["pending_check"])
+        self.meter.hooks[0][0].load_state_dict(state["inner"])
+
+    def close(self) -> None:
+        self.meter.hooks[0][0].close()
+
+
+def ladder_hook(state: LadderState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The current rung's hook on ``bucket``; on a check iteration (every ``check_every``-th) under the
+    quality meter (one more dense all-reduce of the bucket); at the first bucket after a check, the
+    decision (one all-reduce of two float64 numbers)."""
+    if not state._in_step:
+        state._in_step = True
+        if state._pending_check:
+            state._pending_check = False
+            state._decide()
+        state.meter.on = state.iteration > 0 and state.iteration % state.check_every == 0
+    fut = metered_hook(state.meter, bucket)
+    state.end_bucket_of(bucket.buffer(), bucket.is_last())
+    if bucket.is_last():
+        state._in_step = False
+        state._pending_check = state.meter.on
+    return fut
+
+
+SPEC = hook_algorithm(
+    "ladder", "a compressed setting that escalates (PowerSGD rank x2, fp16, dense) when its error against dense, "
+    "measured every N steps, exceeds a limit (GraVAC's controller, Tyagi & Sharma 2023, arXiv 2305.12201)",
+    LadderOptions,
+    lambda opts, ctx: (LadderState(opts.start, opts.check_every, opts.max_error, model=ctx.model,
+                                   process_group=ctx.process_group, seed=ctx.seed), ladder_hook))
+
+#: the algorithms this module registers
+SPECS = (SPEC,)
