@@ -76,6 +76,7 @@ def main() -> None:
           f"dense all-reduce {s['dense_wire_bytes']:.0f} "
           f"(compression {s['compression_ratio']:.2f}x over {s['iteration']} iterations)", flush=True)
     if torch.distributed.is_initialized():  # Lightning keeps the group; shut it down before exit
+        torch.distributed.barrier()  # Gloo's workers free the last collectives first (transformers_covap.py)
         torch.distributed.destroy_process_group()
 
 
