@@ -36,13 +36,14 @@ data:
 
 # The story in one table: time to the quality dense training reaches (its final test accuracy - 0.5 points) on 2
 # emulated hosts at 5 Mbit/s, where dense all-reduce is communication-bound, for DDP (allreduce), torch's fp16 hook,
-# torch's PowerSGD hook at its best rank in the 5-seed grid (8), --algorithm auto and the setting auto chooses there
-# (gradsync's PowerSGD overlapped with backward, r=4 with a dense tail), under the recipe (2 epochs, one seed;
-# docs/results.md has 5): steps to the target
-# trained on loopback x iteration time measured on the emulated network (gradsync sweep), a table +
-# runs/demo/predicted-2x5mbit.png. Needs root (network namespaces and tc); about 9 minutes on 2 cores.
-DEMO_ARGS ?= --algorithms allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto \
-             --seeds 0 --hosts 2 --bandwidths 5 --epochs 2 --eval-every 39 --rounds 1
+# torch's PowerSGD hook at its best rank in the 5-seed grid (8), gradsync's PowerSGD overlapped with backward (r=8)
+# and --algorithm auto, which measures the job (each setting's error on its gradients, the best 3 timed on the
+# network) and chooses; shown as "auto (chose X)". Under the recipe (2 epochs, one seed; docs/results.md has 5):
+# steps to the target trained on loopback x iteration time measured on the emulated network over 3 interleaved
+# rounds (gradsync sweep), a table + runs/demo/predicted-2x5mbit.png. Needs root (network namespaces and tc); about
+# 10 minutes on 2 cores.
+DEMO_ARGS ?= --algorithms allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8,auto \
+             --seeds 0 --hosts 2 --bandwidths 5 --epochs 2 --eval-every 39 --rounds 3
 demo: setup
 	$(VENV)/bin/gradsync sweep $(DEMO_ARGS) --out runs/demo
 
