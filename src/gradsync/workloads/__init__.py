@@ -298,9 +298,8 @@ _ADAMW_VISION = {"optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.05}
 
 WORKLOADS: dict[str, Workload] = {
     # The CIFAR-style ResNet-8 of width 16 (He et al. 2016, section 4.2) on Fashion-MNIST; --model
-    # swaps in a torchvision classifier. Dense final test accuracy, 2 loopback ranks, seeds 0-4, this
-    # recipe with shorter budgets: 2 epochs 90.06 % (89.84-90.31, spread 0.47 points), 1 epoch 87.34 %
-    # (spread 1.27), 3 epochs of the first 20,000 samples 87.13 % (spread 0.94); 4 epochs not measured.
+    # swaps in a torchvision classifier (dense accuracy under shorter budgets: docs/results.md, "Measurements
+    # that were in module docstrings").
     "fashion-mnist": Workload(
         "fashion-mnist", _load_fmnist, lambda: ResNetFMNIST(16, (1, 1, 1)), _random_flip,
         Recipe(batch_size=64, epochs=4, lr=0.1, warmup_fraction=0.15, weight_decay=5e-4, momentum=0.9),
