@@ -1,7 +1,7 @@
 """A small Vision Transformer for 1x28x28 images (Dosovitskiy et al., ICLR 2021, arXiv 2010.11929, §3.1):
 non-overlapping patches linearly embedded, a learned class token and position embeddings, pre-norm
 transformer encoder blocks, a linear head on the class token. Sized for a 2-core CPU: patches of 4x4
-(49 tokens), width 64, 4 blocks of 4 heads, MLP 128: 138k parameters.
+(49 tokens), width 64, 4 blocks of 4 heads, MLP 128: 139k parameters.
 """
 
 from __future__ import annotations
