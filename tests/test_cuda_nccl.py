@@ -587,3 +587,66 @@ def test_compute_profile_is_labelled_and_timed_on_the_device(profile_job):
         if CUDA:  # unsynchronised, the host timed the kernel launches: a small fraction of the events' time
             assert r["backward_s"] >= 0.5 * r["ref_s"], r
         assert all(0 <= t <= r["backward_s"] * 1.01 for t in r["ready_s"]), r
+
+
+def _finite_job(rank, world, device):
+    """One inf on rank 0 at a compressed step, on the device: the guard's decision deferred (the
+    default where the flag lives on CUDA: no host read in the last bucket's hook) and taken at once
+    give the same scales and bitwise the same parameters; on CUDA the default must defer."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradsync.algorithms import REGISTRY, build_hook
+    from gradsync.feedback.finite import FiniteGuard
+
+    out = {}
+    for name, opts in (("topk", {"density": 0.1}), ("powersgd", {"dense_from": 5}),
+                       ("covap", {"ratio": 2, "cast": "fp16"})):
+        runs = {}
+        for lazy in (None, False):
+            FiniteGuard.lazy = lazy
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 10)).to(device)
+            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=1e4 if REGISTRY[name].single_bucket else 0.001)
+            state, hook = build_hook(name, model=model, **opts)
+            ddp.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+            scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 16)
+            step = {"t": 0}
+            model[2].weight.register_hook(
+                lambda g: g.index_fill(0, torch.tensor([1], device=g.device), float("inf"))
+                if rank == 0 and step["t"] == 5 else g)
+            gen = torch.Generator().manual_seed(rank)
+            scales, params = [], []
+            for t in range(8):
+                step["t"] = t
+                opt.zero_grad()
+                x, y = torch.randn(8, 20, generator=gen).to(device), torch.randint(0, 10, (8,), generator=gen).to(device)
+                scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+                params.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu())
+            state.settle()
+            runs[lazy] = (scales, params, state.finite_guard.rollbacks)
+        FiniteGuard.lazy = None
+        (s1, p1, r1), (s0, p0, r0) = runs[None], runs[False]
+        out[name] = {"same": s1 == s0 and all(torch.equal(a, b) for a, b in zip(p1, p0)),
+                     "rollbacks": (r1, r0), "skipped": s0[5] < s0[4],
+                     "finite": all(bool(torch.isfinite(p).all()) for p in p0)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def finite_job():
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return world, _run(_finite_job, world)
+
+
+def test_deferred_finite_decision_on_the_device_trains_as_an_immediate_one(finite_job):
+    world, results = finite_job
+    for res in results:
+        for name, r in res.items():
+            assert r["same"] and r["finite"], (name, r)
+            assert r["skipped"] and r["rollbacks"][0] == r["rollbacks"][1] <= 1, (name, r)

@@ -252,3 +252,85 @@ def test_dear_covap_one_inf_costs_exactly_one_step():
     r0, r1 = run_ranks(dear_covap_with_one_inf, 2, timeout=300, pg_timeout=60)
     assert r0["states"][r0["inf_step"]], "the filter kept residuals"
     check_one_skip(r0, r1, "dear-covap")
+
+
+# ------------------------------------------------------------------ no host read of the flag in the hook
+class _CountingReads(torch.Tensor):
+    """A tensor that counts the host reads of its value (``bool``, ``item``): a host
+    synchronisation where it lives on a GPU."""
+
+    reads = 0
+
+    def __bool__(self):
+        _CountingReads.reads += 1
+        return bool(self.as_subclass(torch.Tensor))
+
+    def item(self):
+        _CountingReads.reads += 1
+        return self.as_subclass(torch.Tensor).item()
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_deferred_decision_reads_no_flag_in_the_hook_and_rolls_back_at_settle(finite):
+    """Before, ``conclude`` read the agreed flag with ``bool`` on every compressed step: on NCCL a host
+    synchronisation inside the last bucket's hook. Where the flag lives on an accelerator (forced here
+    with ``lazy``) the step reads nothing: the last bucket gets its NaN on the device and the snapshot
+    is restored when the state is next read (``settle``, the next ``begin``)."""
+    from gradsync.feedback.finite import FiniteGuard
+
+    guard = FiniteGuard()
+    guard.lazy = True
+    state = {"residual": torch.ones(3)}
+    guard.begin(7, lambda: dict(state))
+    state["residual"] = torch.full((3,), 2.0)          # the step replaced its residual
+    value = torch.tensor([1.0, 2.0]) if finite else torch.tensor([1.0, float("inf")])
+    guard.agree(value.as_subclass(_CountingReads))
+    last = torch.zeros(4)
+    _CountingReads.reads = 0
+    assert guard.conclude(lambda saved: state.update(saved), last) is None
+    assert _CountingReads.reads == 0, "the hook read the flag on the host"
+    assert torch.isnan(last).all() != finite           # GradScaler sees the NaN without a host read
+    assert torch.equal(state["residual"], torch.full((3,), 2.0))   # not yet decided
+    guard.begin(8, lambda: dict(state))               # the next iteration (or any reader) settles first
+    assert torch.equal(state["residual"], torch.full((3,), 2.0) if finite else torch.ones(3))
+    assert guard.rollbacks == (0 if finite else 1)
+
+
+def test_on_the_cpu_the_flag_is_read_at_once_as_before():
+    from gradsync.feedback.finite import FiniteGuard
+
+    guard = FiniteGuard()
+    state = {"residual": torch.ones(3)}
+    guard.begin(1, lambda: dict(state))
+    state["residual"] = torch.zeros(3)
+    guard.agree(torch.tensor([float("nan")]))
+    last = torch.zeros(2)
+    assert guard.conclude(lambda saved: state.update(saved), last) is False
+    assert torch.equal(state["residual"], torch.ones(3)) and torch.isnan(last).all() and guard.rollbacks == 1
+
+
+LAZY_CASES = [c for c in CASES if c[0] in ("covap-fp16-t5", "covap-fp16-t6", "topk", "gravac", "powersgd",
+                                           "powersgd-tail-flush", "powersgd-overlap-tail-flush", "oscar-asc")]
+
+
+def _eager_and_deferred(rank, world, cases):
+    from gradsync.feedback.finite import FiniteGuard
+
+    out = {}
+    for lazy in (False, True):
+        FiniteGuard.lazy = lazy  # every guard of this forked rank
+        runs = train_with_one_inf(rank, world, cases)
+        out[lazy] = {case: {"scales": r["scales"], "params": r["params"]} for case, r in runs.items()}
+    return out
+
+
+def test_deferred_decisions_train_exactly_as_immediate_ones():
+    """The same one-inf runs with every guard deferring its decision (as on CUDA) and deciding at
+    once (as on the CPU): the same scales and bitwise the same parameters after every step, so the
+    deferred rollbacks land before anything reads the state (also the dense tail that flushes the
+    residual right after the skipped step, and GraVAC's controller)."""
+    for res in run_ranks(_eager_and_deferred, 2, LAZY_CASES, timeout=300, pg_timeout=60):
+        for case, _, _, _ in LAZY_CASES:
+            eager, lazy = res[False][case], res[True][case]
+            assert eager["scales"] == lazy["scales"], case
+            assert all(torch.equal(a, b) for a, b in zip(eager["params"], lazy["params"])), case

@@ -123,6 +123,13 @@ class HookState(Algorithm):
             return self.finite_guard.track(fut)
         return self.finite_guard.finish(fut, verdict, self._restore)
 
+    def settle(self) -> None:
+        """Apply a rollback :attr:`finite_guard` deferred (a non-finite step whose flag lives on an
+        accelerator: :meth:`~gradsync.feedback.finite.FiniteGuard.settle`)."""
+        guard = self.__dict__.get("_finite_guard")
+        if guard is not None:
+            guard.settle()
+
     def _snapshot(self) -> Any:
         """What a rolled-back step restores (:class:`~gradsync.feedback.finite.FiniteGuard`)."""
         return None

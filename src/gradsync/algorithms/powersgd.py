@@ -188,6 +188,7 @@ def dense_tail(state: HookState, bucket: dist.GradBucket,
     hook's error feedback) holds this bucket's residual it is added to the gradient first and
     removed, under the finite guard: a non-finite step restores it (``state._snapshot`` copies the
     dict) and the next step flushes it again."""
+    state.settle()  # a deferred rollback of the last compressed step restores error_dict first
     buf = bucket.buffer()
     error = error_dict.get(bucket.index())
     if error is not None:

@@ -36,6 +36,17 @@ class Algorithm:
             cls.state_dict = _safe_state_dict(own["state_dict"])
         if "load_state_dict" in own and not getattr(own["load_state_dict"], "_gradsync_safe", False):
             cls.load_state_dict = _safe_load_state_dict(own["load_state_dict"])
+        # the readers of the state apply a decision the finite guard deferred first (:meth:`settle`)
+        for name in ("stats", "observe_step", "close"):
+            if name in own and not getattr(own[name], "_gradsync_settles", False):
+                setattr(cls, name, _settled(own[name]))
+
+    def settle(self) -> None:
+        """Apply what the algorithm deferred to avoid a host synchronisation in the hook (the finite
+        guard's rollback of a non-finite step whose flag lives on an accelerator,
+        :meth:`~gradsync.feedback.finite.FiniteGuard.settle`). Called before every read of the state:
+        ``state_dict``, ``stats``, ``observe_step``, ``close`` and the first bucket of each iteration
+        (registered hooks). Default: nothing deferred."""
 
     @property
     def wire_dtype(self) -> Optional[torch.dtype]:
@@ -86,6 +97,7 @@ class Algorithm:
 def _safe_state_dict(fn: Any) -> Any:
     @functools.wraps(fn)
     def state_dict(self: Any) -> dict[str, Any]:
+        self.settle()
         return to_safe(fn(self), f"{type(self).__name__}.state_dict()")
 
     state_dict._gradsync_safe = True  # type: ignore[attr-defined]
@@ -99,3 +111,27 @@ def _safe_load_state_dict(fn: Any) -> Any:
 
     load_state_dict._gradsync_safe = True  # type: ignore[attr-defined]
     return load_state_dict
+
+
+def _settled(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.settle()
+        return fn(self, *args, **kwargs)
+
+    method._gradsync_settles = True  # type: ignore[attr-defined]
+    return method
+
+
+def settling_hook(hook: Any) -> Any:
+    """``hook`` (a DDP communication hook of an :class:`Algorithm` state) calling ``state.settle()``
+    at the first bucket of each iteration, so a decision the state deferred in the previous
+    iteration is applied before this one reads the state (also on paths that take no snapshot: dense
+    steps, a dense tail). Keeps the hook's signature and annotations (DDP checks them)."""
+    @functools.wraps(hook)
+    def settled(state: Any, bucket: Any) -> Any:
+        if bucket.index() == 0:
+            state.settle()
+        return hook(state, bucket)
+
+    return settled

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..options import Options
+from .protocol import settling_hook
 from .synchroniser import BuildContext, DeARSynchroniser, HookSynchroniser, Synchroniser
 
 HookPair = tuple  # (state, hook) for ddp.register_comm_hook
@@ -43,13 +44,19 @@ class AlgorithmSpec:
 
 def hook_algorithm(name: str, summary: str, options: type[Options], make_hook: MakeHook,
                    single_bucket: bool = False) -> AlgorithmSpec:
-    """Spec of a DDP communication-hook algorithm; ``single_bucket`` builds DDP with one bucket."""
+    """Spec of a DDP communication-hook algorithm; ``single_bucket`` builds DDP with one bucket. The
+    hook ``make_hook`` returns is registered through :func:`~gradsync.algorithms.protocol.settling_hook`
+    (by ``gradsync train``, ``build_hook`` and the integrations alike)."""
+
+    def make_settling_hook(opts: Any, ctx: BuildContext) -> HookPair:
+        state, hook = make_hook(opts, ctx)
+        return state, settling_hook(hook)
 
     def build(opts: Any, ctx: BuildContext) -> Synchroniser:
-        state, hook = make_hook(opts, ctx)
+        state, hook = make_settling_hook(opts, ctx)
         return HookSynchroniser(name, ctx, state, hook, single_bucket=single_bucket)
 
-    return AlgorithmSpec(name, summary, options, build, make_hook, single_bucket)
+    return AlgorithmSpec(name, summary, options, build, make_settling_hook, single_bucket)
 
 
 def wrapper_algorithm(name: str, summary: str, options: type[Options],

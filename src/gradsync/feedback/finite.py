@@ -20,8 +20,18 @@ step does not send: the aggregated gradient is then finite, no rank skips, and t
   from the hook body, never from a callback);
 * :meth:`~FiniteGuard.track` / :meth:`~FiniteGuard.finish`: the last bucket's future completes
   after every bucket of the iteration; then the verdict and every aggregated bucket (identical on
-  every rank, so an fp16 sum that overflowed counts too) are read once, and a non-finite result
-  restores the snapshot and fills the last bucket with NaN, so every rank's GradScaler skips.
+  every rank, so an fp16 sum that overflowed counts too) are folded into one flag, and a non-finite
+  result restores the snapshot and fills the last bucket with NaN, so every rank's GradScaler skips.
+
+Where the flag lives on an accelerator (CUDA: NCCL's futures complete once the collectives are
+enqueued, so the last bucket's callback runs while the GPU still computes), reading it there would be
+a host synchronisation inside the last bucket's hook on every compressed step. There the decision is
+deferred (:meth:`~FiniteGuard.conclude`): the NaN fill is done on the device from the flag
+(``masked_fill_``), the flag is copied to pinned host memory without blocking, and the snapshot is
+restored by :meth:`~FiniteGuard.settle`, which every reader of the state calls first (the next
+iteration's first bucket and ``begin``, ``state_dict``, ``stats``, ``observe_step``: see
+:class:`~gradsync.algorithms.protocol.Algorithm`), by when the copy is long done. On the CPU the flag
+is read at once, as before (no device to wait for).
 
 Algorithms whose aggregated values already carry any local inf to every rank (PowerSGD's factors,
 OSCAR's all-reduced scale, count-sketch tables) need no extra element: they only track their outputs
@@ -47,8 +57,13 @@ class FiniteGuard:
         rollbacks: steps whose aggregated result was not finite (state restored), int.
     """
 
+    #: ``None``: defer reading the agreed flag where it lives on an accelerator (see the module
+    #: docstring); ``True``/``False`` force deferring or not (tests set it on an instance).
+    lazy: bool | None = None
+
     def __init__(self) -> None:
         self.rollbacks = 0
+        self._pending: tuple[Any, Any, Callable[[Any], None]] | None = None
         self._reset(None)
 
     def _reset(self, iteration: int | None) -> None:
@@ -63,6 +78,7 @@ class FiniteGuard:
         """Start iteration ``iteration`` (idempotent: only the first call of an iteration acts) and
         keep ``snapshot()``, what :meth:`finish`'s ``restore`` receives if the step is rolled back."""
         if self._iteration != iteration:
+            self.settle()  # a deferred rollback of the previous iteration comes before its snapshot
             self._reset(iteration)
             self._saved = snapshot()
 
@@ -138,11 +154,25 @@ class FiniteGuard:
 
         return then(torch.futures.collect_all(futures), done)
 
-    def conclude(self, restore: Callable[[Any], None], last: torch.Tensor | None = None) -> bool:
-        """Read the iteration's agreed flag (one host sync). If it is not finite: ``restore`` the
-        snapshot, count a rollback and fill ``last`` (the last bucket) with NaN. Returns True when
-        the step was finite. Call it once per iteration on every rank, after every collective."""
-        ok = True if self._agreed is None else bool(self._agreed)
+    def conclude(self, restore: Callable[[Any], None], last: torch.Tensor | None = None) -> bool | None:
+        """Decide the iteration from its agreed flag: if it is not finite, ``restore`` the snapshot,
+        count a rollback and fill ``last`` (the last bucket) with NaN. Call it once per iteration on
+        every rank, after every collective.
+
+        On the CPU the flag is read now; returns True when the step was finite. Where the flag lives
+        on an accelerator (or with :attr:`lazy` set) it is not read (no host synchronisation): ``last``
+        is filled on the device, the rollback waits for :meth:`settle`, and ``None`` is returned."""
+        flag = self._agreed
+        if flag is None:
+            self._reset(None)
+            return True
+        if self.lazy if self.lazy is not None else flag.device.type != "cpu":
+            if last is not None:
+                last.masked_fill_(~flag.to(last.device), NAN)
+            self._pending = (_read_later(flag), self._saved, restore)
+            self._reset(None)
+            return None
+        ok = bool(flag)
         if not ok:
             if last is not None:
                 last.fill_(NAN)
@@ -150,18 +180,50 @@ class FiniteGuard:
         self._reset(None)  # the next begin() snapshots again, also after a load_state_dict
         return ok
 
+    def settle(self) -> bool | None:
+        """Apply a decision :meth:`conclude` deferred: read the flag (its copy to host memory was
+        started then, so this waits for nothing newer) and, if the step was not finite, restore its
+        snapshot and count the rollback. Returns whether that step was finite, or ``None`` when no
+        decision was pending. Cheap when none is: call it before anything reads the state."""
+        if self._pending is None:
+            return None
+        (value, event), saved, restore = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        ok = bool(value)
+        if not ok:
+            restore(saved)
+            self.rollbacks += 1
+        return ok
+
     def rollback(self, restore: Callable[[Any], None]) -> None:
         """``restore`` the iteration's snapshot now (for a caller that knows by other means that the
         step is skipped on every rank, e.g. DeAR's all-reduced found-inf) and count a rollback; a
         no-op when no iteration was begun since the last decision."""
+        self.settle()
         if self._iteration is not None:
             restore(self._saved)
             self.rollbacks += 1
         self._reset(None)
 
     def __getstate__(self) -> dict[str, Any]:
+        self.settle()
         return {"rollbacks": self.rollbacks}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.rollbacks = d.get("rollbacks", 0)
+        self._pending = None
         self._reset(None)
+
+
+def _read_later(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """``(host value, event)`` of a 0-d flag: on CUDA a non-blocking copy into pinned memory and
+    the event after it (wait for the event, then read the copy); elsewhere the flag itself."""
+    if flag.device.type != "cuda":
+        return flag, None
+    host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+    host.copy_(flag, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
