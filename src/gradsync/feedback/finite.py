@@ -222,7 +222,7 @@ def _read_later(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
     the event after it (wait for the event, then read the copy); elsewhere the flag itself."""
     if flag.device.type != "cuda":
         return flag, None
-    host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+    host = torch.empty((), dtype=flag.dtype, device="cpu", pin_memory=True)
     host.copy_(flag, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
