@@ -164,8 +164,8 @@ def _sweep(name: str, title: str, args: list[str], quick: tuple[str, ...] = ()) 
 
 # ------------------------------------------------------------------------------------- experiments
 DEMO = ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
-        "powersgd-overlap:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0", "--hosts", "2", "--bandwidths", "5", "--epochs", "2", "--eval-every", "39",
-        "--rounds", "1"]  # the Makefile's DEMO_ARGS
+        "powersgd-overlap:matrix_approximation_rank=8,auto", "--seeds", "0", "--hosts", "2", "--bandwidths", "5",
+        "--epochs", "2", "--eval-every", "39", "--rounds", "3"]  # the Makefile's DEMO_ARGS
 # --quick: a few steps of everything (sweep-fmnist's and the demo's)
 SWEEP_QUICK = ["--train-samples", "512", "--epochs", "1", "--eval-every", "2", "--eval-samples", "200", "--steps", "2",
                "--warmup", "0", "--rounds", "1"]

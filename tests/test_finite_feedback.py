@@ -38,6 +38,8 @@ CASES = [
     ("oscar-sw", "oscar-sw", {}, 5),
     ("oscar-asc", "oscar-asc", {}, 5),
     ("countsketch", "countsketch", {}, 5),
+    # the inf on a quality-check step (iteration 5, check_every 5): the rung's guard rolls back, no switch
+    ("ladder", "ladder", {"start": "powersgd-overlap/matrix_approximation_rank=2", "check_every": 5}, 5),
 ]
 PARAM, ELEMENT = "2.weight", 7  # the element of the second Linear's weight that gets the inf
 
@@ -49,6 +51,8 @@ def make_model() -> nn.Module:
 
 def saved_state(state) -> list:
     """Everything the guard must roll back, as comparable copies."""
+    if hasattr(state, "rungs"):  # ladder: the rung in use and its state
+        return [state.index, *saved_state(state.meter.hooks[0][0])]
     out = [t.clone() for t in residual_tensors(state)]
     ts = getattr(state, "torch_state", None)
     if ts is not None:  # PowerSGD's warm-start memories

@@ -89,9 +89,10 @@ class QualityMeter:
     def sums(self) -> torch.Tensor:
         """``[len(hooks), 2]`` float64 tensor on the collective device: each hook's ``[error_sq,
         reference_sq]`` (zeros before any measured bucket), to be all-reduced (:func:`relative_errors`)."""
-        rows = [torch.stack([e, r]).cpu() if e is not None else torch.zeros(2, dtype=torch.float64)
+        device = collective_device(self.process_group)
+        rows = [torch.stack([e, r]).to(device) if e is not None else torch.zeros(2, dtype=torch.float64, device=device)
                 for e, r in zip(self.error_sq, self.reference_sq)]
-        return torch.stack(rows).to(collective_device(self.process_group))
+        return torch.stack(rows)
 
     def _add(self, i: int, out: torch.Tensor, dense: torch.Tensor) -> None:
         e = (out.double() - dense.double()).pow(2).sum()

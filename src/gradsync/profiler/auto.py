@@ -67,7 +67,7 @@ def probe_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, 
                                     drop_last=True))
     batches = []
     for i in range(count):
-        idx = torch.tensor([order[(i * batch_size + j) % len(order)] for j in range(batch_size)])
+        idx = torch.tensor([order[(i * batch_size + j) % len(order)] for j in range(batch_size)], device=x.device)
         batches.append((augment(x[idx]), y[idx]))
     return batches
 
