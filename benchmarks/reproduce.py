@@ -289,6 +289,17 @@ EXPERIMENTS = [
             "powersgd:matrix_approximation_rank=4:dense_from=700,auto", "--seeds", "0,1,2",
             "--hosts", "2", "--bandwidths", "5,15,40", "--epochs", "2", "--eval-every", "26"],
            quick=("--model", "resnet8-w32")),
+    _sweep("oos-vit", "Results: auto out of sample, the ViT with AdamW (gradsync sweep)",
+           ["--model", "vit-tiny", "--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,"
+            "powersgd-overlap:matrix_approximation_rank=8,auto", "--seeds", "0,1,2,3,4", "--hosts", "2",
+            "--bandwidths", "5,40", "--epochs", "2", "--eval-every", "52", "--eval-samples", "5000", "--rounds", "3"],
+           quick=("--model", "vit-tiny")),
+    _sweep("oos-gru", "Results: auto out of sample, the GRU with SGD (gradsync sweep)",
+           ["--model", "gru", "--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=4,"
+            "powersgd-overlap:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=8,auto",
+            "--seeds", "0,1,2,3,4", "--hosts", "2", "--bandwidths", "5,40", "--epochs", "2", "--eval-every", "52",
+            "--eval-samples", "5000", "--rounds", "3"],
+           quick=("--model", "gru")),
     Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
         Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
                                "allreduce,fp16,powersgd:matrix_approximation_rank=4:dense_from=300,auto",
