@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 32), for a machine with a CUDA GPU (the device tool's lent machine), under 8 minutes:
+# the CUDA/NCCL tests (every hook algorithm on CUDA, resume of every algorithm from a CPU checkpoint onto the GPU,
+# auto's compute profile against CUDA-event timings, the finite check deciding without a host sync), then auto's
+# probe on the GPU. Output: $OUT/gpu_check.txt (or ./gpu_check.txt). Needs a torch with CUDA (python -c "import
+# torch; print(torch.cuda.is_available())"); gradsync installed from this checkout (pip install -e .).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-.}/gpu_check.txt"
+{
+  date; nvidia-smi -L 2>&1 || true
+  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+  timeout 420 python -m pytest -q tests/test_cuda_nccl.py -rs --durations=10 -p no:cacheprovider
+  echo "pytest rc=$?"
+  timeout 60 python - <<'PY'
+import datetime, os, time
+import torch, torch.distributed as dist, torch.nn.functional as F
+from gradsync.profiler.probe import measure_quality, time_candidates
+store = dist.TCPStore("127.0.0.1", 29533, 1, True)
+dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+dev = torch.device("cuda", 0)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(dev)
+batches = [(torch.randn(64, 256, device=dev), torch.randint(0, 10, (64,), device=dev)) for _ in range(8)]
+opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)
+t = time.perf_counter()
+errors = measure_quality(model, batches, F.cross_entropy, opt, ["fp16", "powersgd-overlap:matrix_approximation_rank=4"], 1.0)
+print("probe errors on the GPU (1 rank: the aggregate is the rank's own gradient):", errors, f"{time.perf_counter() - t:.2f} s")
+timed = time_candidates(model, batches, F.cross_entropy, opt, ["allreduce", "fp16"], 1.0)
+print({e: round(p.iteration_s * 1e3, 3) for e, p in timed.items()}, "ms per iteration")
+dist.destroy_process_group()
+PY
+  echo "probe rc=$?"
+} 2>&1 | tee "$out"
