@@ -30,19 +30,22 @@ ENTRIES = ["allreduce", "fp16", "powersgd-overlap:matrix_approximation_rank=1",
 
 
 def _quality(rank, world):
-    from gradsync.profiler.probe import measure_quality, time_candidates
+    from gradsync.profiler.probe import cast_errors, measure_quality, time_candidates
 
     model, batches = _job(rank)
     before = [p.detach().clone() for p in model.parameters()]
     errors = measure_quality(model, batches, F.cross_entropy, _optimizer, ENTRIES, bucket_cap_mb=0.005)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was probed
     timed = time_candidates(model, batches, F.cross_entropy, _optimizer, ["allreduce", "fp16"], bucket_cap_mb=0.005)
-    return errors, {e: (p.iteration_s, p.wire_bytes_per_step) for e, p in timed.items()}
+    casts = cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"])
+    return errors, {e: (p.iteration_s, p.wire_bytes_per_step) for e, p in timed.items()}, casts
 
 
 def test_errors_against_dense_are_exact_for_exact_settings_and_the_same_on_every_rank():
-    (e0, t0), (e1, t1) = run_ranks(_quality, 2, timeout=180)
-    assert e0 == e1 and t0 == t1  # every rank decides alike
+    (e0, t0, c0), (e1, t1, c1) = run_ranks(_quality, 2, timeout=180)
+    assert e0 == e1 and t0 == t1 and c0 == c1  # every rank decides alike
+    # the casts' error without communication: 11 and 8 significant bits; the metered fp16 error is as small
+    assert 0 < c0["fp16"] < c0["bf16"] < 1e-2 and e0["fp16"] < 10 * c0["fp16"]
     assert e0["allreduce"] < 1e-6  # the same arithmetic as the reference (summation order aside)
     assert 0 < e0["fp16"] < 1e-3  # one rounding to 11 significant bits
     r1, r4 = e0["powersgd-overlap:matrix_approximation_rank=1"], e0["powersgd-overlap:matrix_approximation_rank=4"]

@@ -8,10 +8,12 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
    network as the link rate at which the ring model gives that time (:func:`effective_bandwidth_mbit`).
    Below a CCR of :data:`~gradsync.profiler.advise.LOW_CCR` auto keeps DDP and measures nothing more;
 2. **quality**: every lossy communication-hook candidate the simulator predicts at least
-   :data:`~gradsync.profiler.advise.MIN_GAIN` x faster per iteration than DDP is measured at once on
-   the job's own gradients (:func:`~gradsync.profiler.probe.measure_quality`: its relative error
-   against the dense aggregate), which the quality model (:mod:`gradsync.profiler.quality_model`)
-   turns into predicted extra steps. No table of other models' runs is read;
+   :data:`~gradsync.profiler.advise.MIN_GAIN` x faster per iteration than DDP (but those of
+   :data:`NOT_PROBED`) is measured at once on the job's own gradients
+   (:func:`~gradsync.profiler.probe.measure_quality`: its relative error against the dense aggregate;
+   the 16-bit casts without communication, :func:`~gradsync.profiler.probe.cast_errors`), which the
+   quality model (:mod:`gradsync.profiler.quality_model`) turns into predicted extra steps. No table of
+   other models' runs is read;
 3. **short-list and time**: the :data:`SHORTLIST` candidates with the least predicted time to quality
    (simulated iteration x (1 + extra steps)) and DDP are timed for a few steps each on the real
    network (:func:`~gradsync.profiler.probe.time_candidates`);
@@ -37,9 +39,9 @@ from ..comm.collectives import collective_device
 from ..options import AUTO
 from ..sim.profile import Profile
 from ..validation import check_int
-from .advise import LOW_CCR, MIN_GAIN, Advice, advise, lossy
+from .advise import CASTS, LOW_CCR, MIN_GAIN, Advice, advise, lossy
 from .ccr import measure_ccr
-from .probe import QUALITY_STEPS, measure_quality, time_candidates
+from .probe import QUALITY_STEPS, cast_errors, measure_quality, time_candidates
 from .profile import ccr_at, record_profile
 
 __all__ = ["AUTO", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
@@ -99,6 +101,12 @@ def effective_bandwidth_mbit(prof: Profile, world_size: int, allreduce_s: float)
 
 #: Candidates timed on the real network after the quality probe, besides DDP.
 SHORTLIST = 3
+#: Algorithms auto does not probe: every model measured put their error far above the quality model's
+#: limit (COVAP K=2-6 with fp16 shards 0.59-0.95, top-k 0.01 0.60-1.01 on the ResNet-8, its 3-rank and
+#: wide forms, the character LSTM, the ViT and the GRU), while metering them costs the probe 1/K of a dense
+#: all-reduce each per step (1.45 for K=2..6): on the ViT at 5 Mbit/s the probe took 71 s with them.
+#: ``gradsync doctor`` still measures them.
+NOT_PROBED = ("covap", "topk")
 
 
 @dataclass(frozen=True)
@@ -152,11 +160,15 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     iterations: dict[str, float] = {}
     if simulated.ccr >= LOW_CCR:
         ddp_s = next(r.iteration_s for r in simulated.predictions if r.entry == "allreduce")
-        worth = [r.entry for r in simulated.predictions
-                 if lossy(r.entry) and _hook_entry(r.entry) and r.iteration_s * MIN_GAIN <= ddp_s]
-        if worth:
-            errors = measure_quality(model, batches, loss_fn, make_optimizer, worth, bucket_cap_mb,
-                                     process_group=group, seed=seed)
+        worth = [r.entry for r in simulated.predictions if lossy(r.entry) and _hook_entry(r.entry)
+                 and r.iteration_s * MIN_GAIN <= ddp_s and r.entry.split(":")[0] not in NOT_PROBED]
+        casts = [e for e in worth if e in CASTS]
+        metered = [e for e in worth if e not in CASTS]
+        if casts:
+            errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
+        if metered:
+            errors.update(measure_quality(model, batches, loss_fn, make_optimizer, metered, bucket_cap_mb,
+                                          process_group=group, seed=seed))
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
         short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and _hook_entry(r.entry)
                  and math.isfinite(r.time_to_quality_s)][:shortlist]
