@@ -202,10 +202,15 @@ def _job(rank, world, device):  # noqa: C901 - one job, many checks, each record
     return out
 
 
+def _on_every_rank(fn):
+    """``(world, results)`` of ``fn`` on 2 ranks (one per GPU where there are GPUs, at most 2)."""
+    world = min(2, torch.cuda.device_count()) if CUDA else 2
+    return world, _run(fn, world)
+
+
 @pytest.fixture(scope="module")
 def job():
-    world = min(2, torch.cuda.device_count()) if CUDA else 2
-    return world, _run(_job, world)
+    return _on_every_rank(_job)
 
 
 def _on_device(name: str) -> bool:
@@ -362,8 +367,7 @@ def _dear_job(rank, world, device):
 
 @pytest.fixture(scope="module")
 def dear_job():
-    world = min(2, torch.cuda.device_count()) if CUDA else 2
-    return _run(_dear_job, world)
+    return _on_every_rank(_dear_job)[1]
 
 
 def test_dear_timings_are_measured_on_the_device(dear_job):
@@ -446,8 +450,7 @@ def _covap_timing_job(rank, world, device):
 
 @pytest.fixture(scope="module")
 def covap_job():
-    world = min(2, torch.cuda.device_count()) if CUDA else 2
-    return world, _run(_covap_timing_job, world)
+    return _on_every_rank(_covap_timing_job)
 
 
 def test_covap_adaptive_k_times_the_device(covap_job):
@@ -525,8 +528,7 @@ def _resume_job(rank, world, device):
 
 @pytest.fixture(scope="module")
 def resume_job():
-    world = min(2, torch.cuda.device_count()) if CUDA else 2
-    return world, _run(_resume_job, world)
+    return _on_every_rank(_resume_job)
 
 
 def test_every_algorithm_resumes_on_the_device_from_a_cpu_checkpoint(resume_job):
@@ -576,8 +578,7 @@ def _profile_job(rank, world, device):
 
 @pytest.fixture(scope="module")
 def profile_job():
-    world = min(2, torch.cuda.device_count()) if CUDA else 2
-    return world, _run(_profile_job, world)
+    return _on_every_rank(_profile_job)
 
 
 def test_compute_profile_is_labelled_and_timed_on_the_device(profile_job):
@@ -640,8 +641,7 @@ def _finite_job(rank, world, device):
 
 @pytest.fixture(scope="module")
 def finite_job():
-    world = min(2, torch.cuda.device_count()) if CUDA else 2
-    return world, _run(_finite_job, world)
+    return _on_every_rank(_finite_job)
 
 
 def test_deferred_finite_decision_on_the_device_trains_as_an_immediate_one(finite_job):
