@@ -13,7 +13,6 @@ Loopback Gloo ranks (quality does not depend on the network); about 5 minutes on
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import platform
 import subprocess
@@ -24,47 +23,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 
-def _rank(rank: int, world: int, port: int, model_key: str, entries: list[str], seed: int) -> dict:
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from gradsync.comm.buckets import resolve_bucket_cap_mb
-    from gradsync.profiler.auto import probe_batches
-    from gradsync.profiler.probe import measure_quality
-    from gradsync.workloads import get_workload, load_data
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    try:
-        name, _, model = model_key.partition(":")
-        w = get_workload(name, model or None)
-        x, y, _, _ = load_data(w, None)
-        d = w.defaults
-        torch.manual_seed(seed)
-        m = w.make_model()
-        batches = probe_batches(x, y, d["batch_size"], rank, world, seed, augment=w.augment)
-
-        def make_optimizer(params):
-            return w.make_optimizer(params, lr=d["lr"], momentum=d["momentum"], weight_decay=d["weight_decay"])
-
-        return measure_quality(m, batches, F.cross_entropy, make_optimizer, entries,
-                               resolve_bucket_cap_mb("auto", m), seed=seed)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--costs", default=str(HERE / "data" / "accuracy_costs.json"))
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=str(HERE / "data" / "probe_errors.json"))
     args = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    from gradsync.comm.rendezvous import free_port
-    from gradsync.profiler.probe import QUALITY_STEPS, quality_proxy
+    from gradsync.profiler.probe import QUALITY_STEPS, measure_quality_on_loopback, quality_proxy
+    from gradsync.workloads import get_workload
 
     rows = json.load(open(args.costs))["rows"]
     jobs: dict[tuple[str, int], list[str]] = {}
@@ -76,11 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     for (model_key, world), entries in jobs.items():
         entries = ["allreduce", *entries]
         for seed in [int(s) for s in args.seeds.split(",")]:
-            ctx = mp.get_context("fork")
-            with ctx.Pool(world) as pool:
-                port = free_port()
-                res = pool.starmap(_rank, [(r, world, port, model_key, entries, seed) for r in range(world)])
-            errors = res[0]
+            name, _, arch = model_key.partition(":")
+            batch_size = get_workload(name, arch or None).defaults["batch_size"]
+            errors = measure_quality_on_loopback(model_key, batch_size, entries, world, seed=seed)
             print(model_key, world, seed, {e: round(v, 3) for e, v in errors.items()}, flush=True)
             out.append({"model": model_key, "world_size": world, "seed": seed,
                         "errors": {e: errors[e] for e in entries}, "measured_as": {e: quality_proxy(e) for e in entries}})

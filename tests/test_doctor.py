@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from gradsync.bench.config import parse_entry
 from gradsync.algorithms import split_dense_tail
@@ -133,3 +134,22 @@ def test_cli_fashion_mnist(tmp_path, capsys):
     assert d["choice"]["entry"] in ENTRIES
     assert len(d["profile"]["buckets"]) >= 4  # --bucket-cap-mb auto: enough buckets to overlap
     assert d["command"] == train_command(d["choice"]["entry"], d["bucket_cap_mb"])
+
+
+def test_loopback_ranks_measure_on_their_own_batches(tmp_path, monkeypatch):
+    # doctor's loopback ranks each draw their own batches (a quality measured on identical gradients
+    # would hide what averaging several ranks' compressed gradients costs); a workload uses its training
+    # batches as auto sees them on a job
+    from gradsync.profiler.probe import QUALITY_STEPS, _job_on_rank
+
+    (tmp_path / "doctor_rank_model.py").write_text(
+        "import torch\n"
+        "def build():\n    return torch.nn.Linear(5, 3)\n"
+        "def make_batch(batch_size):\n    return torch.randn(batch_size, 5), torch.randint(0, 3, (batch_size,))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec in ("doctor_rank_model:build", "fashion-mnist"):
+        jobs = [_job_on_rank(spec, 8, rank, 2, None, seed=3) for rank in (0, 1)]
+        (m0, b0, _, _), (m1, b1, _, _) = jobs
+        assert len(b0) == len(b1) == QUALITY_STEPS and b0[0][0].shape[0] == 8
+        assert not torch.equal(b0[0][0], b1[0][0]), spec
+        assert all(torch.equal(p, q) for p, q in zip(m0.parameters(), m1.parameters())), spec  # one model

@@ -549,8 +549,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     import time
 
-    from .algorithms import REGISTRY
-    from .profiler.advise import MIN_GAIN, advise, lossy, train_command
+    from .profiler.advise import advise, train_command, worth_measuring
     from .profiler.probe import measure_quality_on_loopback
     from .validation import check_float, check_int
 
@@ -566,9 +565,7 @@ def _doctor(args: argparse.Namespace) -> int:
                        optimizer=args.optimizer)
     errors, spent = {}, None
     if quality_ranks:
-        ddp_s = next(r.iteration_s for r in simulated.predictions if r.entry == "allreduce")
-        worth = [r.entry for r in simulated.predictions if lossy(r.entry) and REGISTRY[r.entry.split(":")[0]].make_hook
-                 and r.iteration_s * MIN_GAIN <= ddp_s]
+        worth = worth_measuring(simulated)
         t0 = time.perf_counter()
         errors = measure_quality_on_loopback(args.model, args.batch_size, worth, quality_ranks,
                                              prof.meta["bucket_cap_mb"], args.data_dir) if worth else {}

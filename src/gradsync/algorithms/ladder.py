@@ -75,6 +75,10 @@ def rungs(start: str) -> list[str]:
     return out
 
 
+#: The counters of a rung's ``stats()`` that add up over the rungs a run used.
+_COUNTERS = ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped")
+
+
 class LadderState(HookState):
     """State of :func:`ladder_hook`.
 
@@ -126,7 +130,7 @@ class LadderState(HookState):
             old = self.current
             inner = self.meter.hooks[0][0]
             for key, value in inner.stats().items():
-                if key in ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped"):
+                if key in _COUNTERS:
                     self.retired[key] = self.retired.get(key, 0) + value
             inner.close()
             self.index += 1
@@ -147,7 +151,7 @@ class LadderState(HookState):
     def stats(self) -> dict[str, Any]:
         inner = self.meter.hooks[0][0].stats()
         out = dict(super().stats())
-        for key in ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped"):
+        for key in _COUNTERS:
             out[key] = out[key] + self.retired.get(key, 0) + inner.get(key, 0)
         out["wire_bytes"] += self.meter.dense_wire_bytes
         from .base import compression_ratio

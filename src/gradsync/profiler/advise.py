@@ -41,7 +41,7 @@ from ..validation import check_float, check_int
 from .quality_model import FITTED, QualityModel
 from .profile import ccr_at
 
-__all__ = ["Advice", "Prediction", "advise", "candidates", "lossy", "train_command", "CASTS", "LOSSLESS",
+__all__ = ["Advice", "Prediction", "advise", "candidates", "is_hook", "lossy", "train_command", "worth_measuring", "CASTS", "LOSSLESS",
            "LOW_CCR", "MIN_GAIN"]
 
 #: Below this CCR a dense all-reduce takes less than half the backward pass, which DDP overlaps it
@@ -82,6 +82,25 @@ LOSSLESS: dict[str, str] = {
 def lossy(entry: str) -> bool:
     """Whether ``entry`` changes the averaged gradient (everything but :data:`LOSSLESS`)."""
     return entry not in LOSSLESS
+
+
+def is_hook(entry: str, any_buckets: bool = False) -> bool:
+    """Whether ``entry``'s algorithm is a DDP communication hook (a probe or a script's DDP can run
+    it), and with ``any_buckets`` one that works on any bucket layout (not the registry's
+    ``single_bucket``, which gradsync runs on one DDP bucket: a script's DDP keeps its own buckets)."""
+    from ..algorithms import REGISTRY, parse_entry
+
+    spec = REGISTRY[parse_entry(entry)[0]]
+    return spec.make_hook is not None and not (any_buckets and spec.single_bucket)
+
+
+def worth_measuring(simulated: "Advice", skip: Sequence[str] = ()) -> list[str]:
+    """The lossy communication-hook entries of ``simulated``'s predictions that the simulator puts at
+    least :data:`MIN_GAIN` x faster per iteration than DDP, but those whose algorithm is in ``skip``:
+    the settings whose error ``--algorithm auto`` and ``gradsync doctor`` measure."""
+    ddp_s = next(r.iteration_s for r in simulated.predictions if r.entry == "allreduce")
+    return [r.entry for r in simulated.predictions if lossy(r.entry) and is_hook(r.entry)
+            and r.iteration_s * MIN_GAIN <= ddp_s and r.entry.split(":")[0] not in skip]
 
 
 def _as_run(prof: Profile, entry: str) -> Profile:

@@ -39,39 +39,15 @@ from ..comm.collectives import collective_device
 from ..options import AUTO
 from ..sim.profile import Profile
 from ..validation import check_int
-from .advise import CASTS, LOW_CCR, MIN_GAIN, Advice, advise, lossy
+from .advise import CASTS, LOW_CCR, Advice, advise, is_hook, worth_measuring
 from .ccr import measure_ccr
-from .probe import QUALITY_STEPS, cast_errors, measure_quality, time_candidates
+from .probe import cast_errors, measure_quality, probe_batches, time_candidates
 from .profile import ccr_at, record_profile
 
 __all__ = ["AUTO", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
            "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
-
-
-def probe_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int, seed: int,
-                  count: int = QUALITY_STEPS, augment: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
-                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's first ``count`` training batches of ``batch_size`` samples in the order
-    ``DistributedSampler(shuffle=True, seed=seed)`` gives them (different on every rank, as in
-    training), ``augment`` applied to the inputs: what the probe measures on (:mod:`.probe`). Draws
-    nothing from torch's global random generator but ``augment``'s.
-
-    Raises:
-        ValueError: if ``x`` holds fewer than ``batch_size x world_size`` samples.
-    """
-    from torch.utils.data import DistributedSampler, TensorDataset
-
-    if x.shape[0] < batch_size * world_size:
-        raise ValueError(f"batch_size {batch_size} x world size {world_size} exceeds the {x.shape[0]} samples")
-    order = list(DistributedSampler(TensorDataset(x), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
-                                    drop_last=True))
-    batches = []
-    for i in range(count):
-        idx = torch.tensor([order[(i * batch_size + j) % len(order)] for j in range(batch_size)], device=x.device)
-        batches.append((augment(x[idx]), y[idx]))
-    return batches
 
 
 def agreed_profile(prof: Profile, allreduce_s: float, group: Any = None) -> tuple[Profile, float]:
@@ -128,12 +104,6 @@ class AutoDecision:
                 "auto_probe_seconds": self.probe_seconds}
 
 
-def _hook_entry(entry: str) -> bool:
-    from ..algorithms import REGISTRY, parse_entry
-
-    return REGISTRY[parse_entry(entry)[0]].make_hook is not None
-
-
 def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
            batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, make_optimizer: Callable,
            optimizer: str, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
@@ -159,9 +129,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     errors: dict[str, float] = {}
     iterations: dict[str, float] = {}
     if simulated.ccr >= LOW_CCR:
-        ddp_s = next(r.iteration_s for r in simulated.predictions if r.entry == "allreduce")
-        worth = [r.entry for r in simulated.predictions if lossy(r.entry) and _hook_entry(r.entry)
-                 and r.iteration_s * MIN_GAIN <= ddp_s and r.entry.split(":")[0] not in NOT_PROBED]
+        worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if allowed(e)]
         casts = [e for e in worth if e in CASTS]
         metered = [e for e in worth if e not in CASTS]
         if casts:
@@ -170,7 +138,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
             errors.update(measure_quality(model, batches, loss_fn, make_optimizer, metered, bucket_cap_mb,
                                           process_group=group, seed=seed))
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
-        short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and _hook_entry(r.entry)
+        short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)
                  and math.isfinite(r.time_to_quality_s)][:shortlist]
         if short:
             timed = time_candidates(model, batches, loss_fn, make_optimizer, ["allreduce", *short], bucket_cap_mb,
@@ -256,7 +224,7 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    from ..algorithms import REGISTRY, build_hook, parse_entry
+    from ..algorithms import build_hook, parse_entry
 
     if not isinstance(ddp, DistributedDataParallel):
         raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
@@ -265,13 +233,9 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
     def make_optimizer(params):
         return type(optimizer)(params, **optimizer.defaults)
 
-    def usable(entry: str) -> bool:  # a hook that works on the script's DDP buckets
-        spec = REGISTRY[parse_entry(entry)[0]]
-        return spec.make_hook is not None and not spec.single_bucket
-
     bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
     decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, family, "script",
-                            int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb, allowed=usable,
+                            int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb, allowed=lambda e: is_hook(e, any_buckets=True),
                             group=ddp.process_group)
     name, options = parse_entry(decision.entry)
     state, hook = build_hook(name, process_group=ddp.process_group, model=ddp.module, **options)

@@ -1,22 +1,22 @@
-"""Measure candidate settings on the user's own job: iteration time on the real network and
-compression quality on the job's own gradients.
+"""Measure candidate settings on the user's own job: compression quality on the job's own gradients
+and iteration time on the real network. Every function is a collective on the job's process group,
+trains private copies of the model on the job's batches (each rank its own) and returns the same
+numbers on every rank (all-reduced statistics), so every rank takes the same decision.
 
-For every candidate (a ``gradsync bench --algorithms`` entry of a communication-hook algorithm) a
-private copy of the model is wrapped in ``DistributedDataParallel`` with the candidate's hook and
-trained for a few steps on the job's batches (each rank its own), on the job's process group:
+* :func:`measure_quality`: every candidate at once, on one copy trained with dense all-reduce; a
+  :class:`QualityMeter` runs each candidate's hook on the same buckets beside the dense all-reduce and
+  compares its aggregate ``c`` with the dense average ``d``. The relative error
+  ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over :data:`QUALITY_STEPS` steps and every bucket is
+  GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023, arXiv 2305.12201, §3.2: the
+  gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated result, which is what
+  the optimizer receives);
+* :func:`cast_errors`: the 16-bit casts' error from one backward, without communication;
+* :func:`time_candidates`: each candidate in its own ``DistributedDataParallel``, timed steps taken in
+  turn; the median step (a device-synchronising clock), MAX over the ranks;
+* :func:`measure_quality_on_loopback`: :func:`measure_quality` on forked loopback ranks, for
+  ``gradsync doctor`` before a job exists.
 
-* **quality steps**: the hook is wrapped by a :class:`QualityMeter`, which all-reduces the raw bucket
-  as well (dense, issued from the hook body before the candidate's own collectives, so every rank
-  issues the same collectives in the same order) and compares the candidate's aggregate ``c`` with the
-  dense average ``d``. The relative error ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over the quality
-  steps and buckets is GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023,
-  arXiv 2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed,
-  aggregated result, which is what the optimizer receives);
-* **timed steps**: the meter is off; the median step time (a device-synchronising clock) is the
-  candidate's iteration time on this network, MAX over the ranks.
-
-The statistics are all-reduced, so every rank holds the same numbers and takes the same decision.
-The probe trains copies: its cost is pure start-up overhead, reported as :attr:`ProbeResult.seconds`.
+The copies' training is thrown away: the probe's cost is start-up time, which auto reports.
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
@@ -37,7 +37,7 @@ from ..algorithms.meter import ProxyBucket, QualityMeter, metered_hook, relative
 from .compute import device_clock
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "measure_quality",
-           "quality_proxy", "time_candidates", "cast_errors", "START_STEPS", "QUALITY_STEPS"]
+           "quality_proxy", "time_candidates", "cast_errors", "probe_batches", "START_STEPS", "QUALITY_STEPS"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -211,6 +211,30 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
     return out
 
 
+def probe_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int, seed: int,
+                  count: int = QUALITY_STEPS, augment: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's first ``count`` training batches of ``batch_size`` samples in the order
+    ``DistributedSampler(shuffle=True, seed=seed)`` gives them (different on every rank, as in
+    training), ``augment`` applied to the inputs: what the probe measures on (:mod:`.probe`). Draws
+    nothing from torch's global random generator but ``augment``'s.
+
+    Raises:
+        ValueError: if ``x`` holds fewer than ``batch_size x world_size`` samples.
+    """
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    if x.shape[0] < batch_size * world_size:
+        raise ValueError(f"batch_size {batch_size} x world size {world_size} exceeds the {x.shape[0]} samples")
+    order = list(DistributedSampler(TensorDataset(x), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                                    drop_last=True))
+    batches = []
+    for i in range(count):
+        idx = torch.tensor([order[(i * batch_size + j) % len(order)] for j in range(batch_size)], device=x.device)
+        batches.append((augment(x[idx]), y[idx]))
+    return batches
+
+
 def cast_errors(model: nn.Module, batch: Batch, loss_fn: Callable, casts: Sequence[str],
                 process_group: Any = None) -> dict[str, float]:
     """Collective: the relative error of each 16-bit cast (``fp16``, ``bf16``) on this job's gradient,
@@ -236,45 +260,62 @@ def cast_errors(model: nn.Module, batch: Batch, loss_fn: Callable, casts: Sequen
     return dict(zip(casts, errors.tolist()))
 
 
-def _optimizer_for(model_spec: str) -> Callable[[Any], torch.optim.Optimizer]:
-    """A training workload's recipe optimizer (its learning rate), else SGD with momentum 0.9 at 0.01."""
-    from ..workloads import WORKLOADS, get_workload
+def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_dir: Any, seed: int):
+    """``(model, batches, loss_fn, make_optimizer)`` of ``model_spec`` as rank ``rank`` of ``world`` sees
+    it: a training workload's model on its first :data:`QUALITY_STEPS` training batches (augmented, in
+    ``DistributedSampler`` order, as ``--algorithm auto`` measures on a job) with its recipe optimizer;
+    any other spec's model on ``make_batch`` batches drawn per rank, with SGD (momentum 0.9, lr 0.01)."""
+    import torch.nn.functional as F
 
-    name, _, model = model_spec.partition(":")
-    if name not in WORKLOADS:
-        return lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)
-    w = get_workload(name, model or None)
-    d = w.defaults
-    return lambda p: w.make_optimizer(p, lr=d["lr"], momentum=d["momentum"], weight_decay=d["weight_decay"])
+    from ..workloads import WORKLOADS, get_workload, load_data
+    from .profile import model_for_profile
+
+    name, _, arch = model_spec.partition(":")
+    if name in WORKLOADS:
+        w = get_workload(name, arch or None)
+        x, y, _, _ = load_data(w, data_dir)
+        d = w.defaults
+        torch.manual_seed(seed)
+        model = w.make_model()
+        batches = probe_batches(x, y, batch_size, rank, world, seed, augment=w.augment)
+        return model, batches, F.cross_entropy, lambda p: w.make_optimizer(
+            p, lr=d["lr"], momentum=d["momentum"], weight_decay=d["weight_decay"])
+    torch.manual_seed(seed)
+    model, make_batch, loss_fn = model_for_profile(model_spec, batch_size, data_dir)
+    torch.manual_seed(seed + 1 + rank)
+    return model, [make_batch() for _ in range(QUALITY_STEPS)], loss_fn, lambda p: torch.optim.SGD(
+        p, lr=0.01, momentum=0.9)
 
 
 def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size: int, entries: list,
-                   bucket_cap_mb: float, data_dir: Any, seed: int) -> dict:
+                   bucket_cap_mb: Optional[float], data_dir: Any, seed: int) -> dict:
     import datetime
 
-    from .profile import model_for_profile
+    from ..comm.buckets import resolve_bucket_cap_mb
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
-        torch.manual_seed(seed)
-        model, make_batch, loss_fn = model_for_profile(model_spec, batch_size, data_dir)
-        torch.manual_seed(seed + 1 + rank)  # each rank its own batches
-        batches = [make_batch() for _ in range(QUALITY_STEPS)]
-        return measure_quality(model, batches, loss_fn, _optimizer_for(model_spec), entries, bucket_cap_mb, seed=seed)
+        model, batches, loss_fn, make_optimizer = _job_on_rank(model_spec, batch_size, rank, world, data_dir, seed)
+        cap = resolve_bucket_cap_mb("auto", model) if bucket_cap_mb is None else bucket_cap_mb
+        return measure_quality(model, batches, loss_fn, make_optimizer, entries, cap, seed=seed)
     finally:
         dist.destroy_process_group()
 
 
 def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Sequence[str], world_size: int,
-                                bucket_cap_mb: float, data_dir: Any = None, seed: int = 0) -> dict[str, float]:
+                                bucket_cap_mb: Optional[float] = None, data_dir: Any = None,
+                                seed: int = 0) -> dict[str, float]:
     """:func:`measure_quality` of ``entries`` on ``world_size`` forked Gloo ranks on 127.0.0.1 (the
     error does not depend on the network), for a model spec of
-    :func:`~gradsync.profiler.profile.model_for_profile`; each rank draws its own batches; a training
-    workload's recipe optimizer, else SGD with momentum 0.9 at learning rate 0.01 (the error depends on
-    the learning rate a little: PowerSGD r=8 on the ResNet-8 measured 0.33 at 0.1 and 0.42 at 0.01).
-    What ``gradsync doctor`` measures before a job exists.
+    :func:`~gradsync.profiler.profile.model_for_profile`, each rank on its own batches: a training
+    workload on its first training batches as ``--algorithm auto`` sees them (:func:`probe_batches`)
+    with its recipe optimizer, any other model on ``make_batch`` batches with SGD (momentum 0.9,
+    learning rate 0.01; the error depends on the learning rate a little: PowerSGD r=8 on the ResNet-8
+    measured 0.33 at 0.1 and 0.42 at 0.01). ``bucket_cap_mb`` None: the size gradsync picks for the
+    model (:func:`~gradsync.comm.buckets.resolve_bucket_cap_mb`). What ``gradsync doctor`` and
+    ``benchmarks/probe_quality.py`` measure.
 
     Raises:
         ValueError: for ``world_size`` < 2 or a bad model spec.
