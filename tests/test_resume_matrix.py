@@ -1,0 +1,102 @@
+"""Issue 32's resume matrix: every registered algorithm, through each entry point, saved at step 3 and
+loaded by a fresh process group of fresh processes, continues with the uninterrupted run's losses.
+
+Per entry point two launches of 2 Gloo ranks on 127.0.0.1 (:func:`distributed.run_ranks`, forked
+processes): the first trains every algorithm for :data:`STEPS` steps, uninterrupted, checkpointing
+after step :data:`SAVE`; the second, a new process group of new processes, loads every algorithm's
+checkpoint and trains steps 4-6. The losses of steps 4-6 (and the parameters, or the evaluation, after
+step 6) must be bitwise equal: on CPU Gloo with one thread per rank every algorithm's arithmetic is
+deterministic, the randomness (random-k, PowerSGD's and the sketches' seeds, the data order) is in
+the checkpoint, and the options below keep wall-clock time out of the decisions (GraVAC's plateau
+test compares measured throughputs: ``plateau_tolerance=0`` never stops its search on them; COVAP's
+``ratio`` is fixed). An entry point that refuses an algorithm on purpose is checked for its clear
+refusal (a ``ValueError`` saying what to use instead) in its own test.
+
+Entry points: ``gradsync train``'s per-rank Python entry (:func:`gradsync.train.loop.run`, the
+function every ``gradsync train`` rank runs, on the Fashion-MNIST workload, checkpoints through
+``--checkpoint-every`` and ``--resume``) and :func:`gradsync.wrap` (DDP + hook or DeAR's pipeline
+around a bare module; the state saved and loaded as a user script does, ``torch.save`` /
+``torch.load(weights_only=True)``). The CUDA rows are in ``tests/test_cuda_nccl.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from every_algorithm import OPTIONS as SMALL_OPTIONS
+from gradsync.algorithms import REGISTRY
+from gradsync.workloads import fashion_mnist
+
+NAMES = sorted(REGISTRY)
+STEPS, SAVE = 6, 3
+#: every_algorithm's options (each algorithm compresses from its first steps), without timing in
+#: the decisions (see the module docstring), the ladder checking its error every 2 steps
+OPTIONS = {**SMALL_OPTIONS, "plateau_tolerance": 0.0, "check_every": 2}
+#: algorithms whose wire bytes at steps 4-6 equal dense all-reduce's (nothing compressed)
+DENSE = {"allreduce", "dear"}
+
+
+def _options(name: str) -> dict:
+    keys = REGISTRY[name].options.keys()
+    return {k: v for k, v in OPTIONS.items() if k in keys}
+
+
+def _errors(runs: dict) -> dict:
+    return {n: r for n, r in runs.items() if isinstance(r, str)}
+
+
+# ------------------------------------------------------------------------------------------ gradsync train
+def _cli_job(rank, world, root, resume):
+    """Every algorithm through ``gradsync train``'s rank function: 6 steps with a checkpoint after step 3,
+    or (``resume``) the same run resumed from that checkpoint. Returns per algorithm the per-step
+    losses (1-6; the resumed run's 1-3 are the checkpoint's log), the test loss after step 6 and the
+    wire/dense bytes of the steps trained, or the error."""
+    from gradsync.train.config import TrainConfig
+    from gradsync.train.loop import run
+
+    out = {}
+    for name in NAMES:
+        cfg = TrainConfig(algorithm=name, options=_options(name), train_samples=640, batch_size=16,
+                          max_steps=STEPS, eval_samples=32, compute_steps=1, bucket_cap_mb=0.01,
+                          progress=False, checkpoint=f"{root}/{name}", checkpoint_every=None if resume else SAVE,
+                          resume=f"{root}/{name}/step{SAVE}" if resume else None)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                res = run(cfg)
+            if res is not None:
+                s = res["summary"]
+                out[name] = {"losses": [i["loss"] for i in res["iterations"]], "test_loss": s["test_loss"],
+                             "ratio": s["compression_ratio"]}
+        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
+            out[name] = f"{type(exc).__name__}: {exc}"
+        torch.distributed.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    if not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
+    root = str(tmp_path_factory.mktemp("cli"))
+    full = run_ranks(_cli_job, 2, root, False, timeout=300, pg_timeout=60)[0]
+    part = run_ranks(_cli_job, 2, root, True, timeout=300, pg_timeout=60)[0]
+    return full, part
+
+
+@pytest.mark.parametrize("algorithm", NAMES)
+def test_cli_resume_continues_the_uninterrupted_losses(cli_runs, algorithm):
+    full, part = (runs.get(algorithm, "no result") for runs in cli_runs)
+    assert not isinstance(full, str), f"gradsync train {algorithm}, uninterrupted: {full}"
+    assert not isinstance(part, str), f"gradsync train {algorithm}, resumed: {part}"
+    assert len(full["losses"]) == len(part["losses"]) == STEPS
+    assert part["losses"][:SAVE] == full["losses"][:SAVE], "the resumed run's log holds the saved steps"
+    assert part["losses"][SAVE:] == full["losses"][SAVE:], f"gradsync train {algorithm}: steps 4-6 differ"
+    assert part["test_loss"] == full["test_loss"], f"gradsync train {algorithm}: the model after step 6 differs"
+    if algorithm not in DENSE:  # the resumed steps compress: their state is what the checkpoint carried
+        assert part["ratio"] > 1.05, part
