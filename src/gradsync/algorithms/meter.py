@@ -5,18 +5,23 @@ also all-reduces each bucket densely and sums, per hook, ``||c - d||^2`` and ``|
 hook's aggregate, ``d``: the dense average). ``sqrt`` of their ratio, all-reduced, is the hook's
 relative error: GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023, arXiv
 2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated
-result the optimizer receives). Used by the start-up probe (:mod:`gradsync.profiler.probe`) and by the
+result the optimizer receives). The dense reference may be a random sample of each gradient tensor's
+elements (``sample_fraction``): the sums over the sample estimate the full sums' ratio at that
+fraction of the reference's bytes. Used by the start-up probe (:mod:`gradsync.profiler.probe`) and by the
 ``ladder`` algorithm's controller (:mod:`gradsync.algorithms.ladder`).
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..comm.buckets import gradient_offsets
 from ..comm.collectives import collective_device
+from ..validation import check_float
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors"]
 
@@ -29,9 +34,7 @@ class ProxyBucket:
     def __init__(self, bucket: Any):
         self._buffer = bucket.buffer().detach().clone()
         self._index, self._last = bucket.index(), bucket.is_last()
-        base, size = bucket.buffer().data_ptr(), bucket.buffer().element_size()
-        self._grads = [self._buffer[(g.data_ptr() - base) // size:][:g.numel()].view(g.shape)
-                       for g in bucket.gradients()]
+        self._grads = [self._buffer[offset:offset + g.numel()].view(g.shape) for offset, g in gradient_offsets(bucket)]
         self._params = bucket.parameters()
 
     def buffer(self) -> torch.Tensor:
@@ -64,6 +67,15 @@ class QualityMeter:
         primary: the index of the hook that gets the real bucket and whose result DDP receives; None:
             DDP receives the dense average (every hook works on a :class:`ProxyBucket`).
         process_group: the group of the collectives.
+        sample_fraction: in (0, 1]: the fraction of each gradient tensor's elements the dense
+            reference all-reduces and the comparison covers (at least one element per tensor, drawn
+            with replacement, the same on every rank: a generator seeded from ``seed`` and the count
+            of buckets measured so far); 1 compares every element. Below 1 a ``primary`` is required
+            (DDP needs a whole result).
+        seed: the sample's seed.
+
+    Raises:
+        ValueError: for ``sample_fraction`` outside (0, 1], or below 1 without a ``primary``.
 
     Attributes:
         on: measure this step (set alike on every rank, from the step counter).
@@ -73,13 +85,31 @@ class QualityMeter:
     """
 
     def __init__(self, hooks: Sequence[tuple[Any, Callable]], primary: Optional[int] = None,
-                 process_group: Any = None):
+                 process_group: Any = None, sample_fraction: float = 1.0, seed: int = 0):
         self.hooks = list(hooks)
         self.primary = primary
         self.process_group = process_group
+        self.sample_fraction = check_float("sample_fraction", sample_fraction, 0.0, 1.0, low_inclusive=False)
+        if self.sample_fraction < 1 and primary is None:
+            raise ValueError(f"sample_fraction {sample_fraction} < 1 needs a primary hook: DDP receives its result")
+        self.seed = seed
         self.on = False
         self.dense_wire_bytes = 0.0
+        self._sampled_buckets = 0
         self.reset()
+
+    def sample(self, bucket: Any) -> Optional[torch.Tensor]:
+        """The ``[k]`` int64 positions in ``bucket``'s buffer the reference covers this time (on the
+        buffer's device), None for every element; advances the sample's generator."""
+        if self.sample_fraction >= 1:
+            return None
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self._sampled_buckets)
+        self._sampled_buckets += 1
+        parts = []
+        for offset, grad in gradient_offsets(bucket):
+            n = grad.numel()
+            parts.append(offset + torch.randint(0, n, (max(1, math.ceil(n * self.sample_fraction)),), generator=g))
+        return torch.cat(parts).to(bucket.buffer().device)
 
     def reset(self) -> None:
         """Forget the sums."""
@@ -114,22 +144,25 @@ def _value(fut: torch.futures.Future) -> torch.Tensor:
 
 def metered_hook(meter: QualityMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The meter's DDP hook (see :class:`QualityMeter`); the comparison runs in a callback that issues
-    no collective."""
+    no collective. With a sample, the reference all-reduces ``k`` elements (float of the bucket's
+    dtype) instead of the bucket's ``numel``."""
     if not meter.on:
         state, hook = meter.hooks[meter.primary or 0]
         return hook(state, bucket)
-    dense = bucket.buffer().detach().clone()
+    idx = meter.sample(bucket)
+    dense = bucket.buffer().detach().clone() if idx is None else bucket.buffer().detach()[idx]
     world = dist.get_world_size(meter.process_group)
     meter.dense_wire_bytes += 2 * (world - 1) / world * dense.numel() * dense.element_size()
     dense_fut = dist.all_reduce(dense, group=meter.process_group, async_op=True).get_future()
-    futs = [hook(state, bucket if i == meter.primary else ProxyBucket(bucket))
-            for i, (state, hook) in enumerate(meter.hooks)]
+    # every copy is taken before any hook runs: the primary may all-reduce the real bucket in place
+    views = [bucket if i == meter.primary else ProxyBucket(bucket) for i in range(len(meter.hooks))]
+    futs = [hook(state, view) for (state, hook), view in zip(meter.hooks, views)]
 
     def compare(done: torch.futures.Future) -> torch.Tensor:
         *outs, _ = (_value(f) for f in done.value())
         average = dense.div_(world)
         for i, out in enumerate(outs):
-            meter._add(i, out, average)
+            meter._add(i, out if idx is None else out[idx], average)
         if meter.primary is None:
             bucket.buffer().copy_(average)
             return bucket.buffer()

@@ -83,6 +83,13 @@ class PowerSGDHookState(HookState):
             start_powerSGD_iter=self.start_iter, use_error_feedback=True, warm_start=True,
             random_seed=seed)
 
+    def skip_start(self) -> None:
+        """Compress from the next iteration on, for a state that joins a DDP whose buckets were
+        already rebuilt (the start-up probe's copies): the dense start iterations exist only for
+        that rebuild. No residual or warm-start memory exists yet, so nothing else changes."""
+        self.iteration = max(self.iteration, self.start_iter)
+        self.torch_state.iter = max(self.torch_state.iter, self.torch_state.start_powerSGD_iter)
+
     def _snapshot(self) -> Any:
         # torch replaces error tensors but computes P and Q into its warm-start memories in place
         ts = self.torch_state

@@ -99,6 +99,12 @@ class PowerSGDOverlapState(HookState):
         self.q_memory_dict: dict[int, list] = {}
         self._pending: Optional[_Phase1] = None
 
+    def skip_start(self) -> None:
+        """Compress from the next iteration on, for a state that joins a DDP whose buckets were
+        already rebuilt (the start-up probe's copies): the dense start iterations exist only for
+        that rebuild. No residual or warm-start memory exists yet, so nothing else changes."""
+        self.iteration = max(self.iteration, self.start_iter)
+
     def _snapshot(self) -> Any:
         # residuals and Q lists are replaced, never modified in place
         return dict(self.error_dict), dict(self.q_memory_dict)

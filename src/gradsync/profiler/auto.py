@@ -10,14 +10,17 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
 2. **quality**: every lossy communication-hook candidate the simulator predicts at least
    :data:`~gradsync.profiler.advise.MIN_GAIN` x faster per iteration than DDP (but those of
    :data:`NOT_PROBED`) is measured at once on the job's own gradients
-   (:func:`~gradsync.profiler.probe.measure_quality`: its relative error against the dense aggregate;
+   (:class:`~gradsync.profiler.probe.QualityProbe`: its relative error against the dense aggregate,
+   estimated from a sample of each gradient tensor;
    the 16-bit casts without communication, :func:`~gradsync.profiler.probe.cast_errors`), which the
    quality model (:mod:`gradsync.profiler.quality_model`) turns into predicted extra steps. No table of
    other models' runs is read;
 3. **short-list and time**: the :data:`SHORTLIST` candidates with the least predicted time to quality
-   (simulated iteration x (1 + extra steps)) and DDP are timed for a few steps each on the real
-   network (:func:`~gradsync.profiler.probe.time_candidates`);
-4. the choice (:func:`gradsync.profiler.advise.advise` over the timed candidates): the least measured
+   (simulated iteration x (1 + extra steps)) are timed for a few steps each on the real network
+   (:func:`~gradsync.profiler.probe.time_candidates`, on the quality probe's copy where they run on
+   DDP's buckets); DDP is not timed: its iteration is simulated from the measured all-reduce time
+   (step 1), which spares the probe its most expensive steps on a slow network;
+4. the choice (:func:`gradsync.profiler.advise.advise` over the timed candidates and DDP): the least
    iteration time x (1 + predicted extra steps), unless it gains less than ``MIN_GAIN`` over DDP.
 
 The probe trains copies of the model; its cost is start-up time, reported in the advice's notes.
@@ -41,10 +44,10 @@ from ..sim.profile import Profile
 from ..validation import check_int
 from .advise import CASTS, LOW_CCR, Advice, advise, is_hook, worth_measuring
 from .ccr import measure_ccr
-from .probe import cast_errors, measure_quality, probe_batches, time_candidates
+from .probe import QualityProbe, cast_errors, probe_batches, quality_proxy, time_candidates
 from .profile import ccr_at, record_profile
 
-__all__ = ["AUTO", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
+__all__ = ["AUTO", "CCR_BUDGET_S", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
            "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
@@ -75,8 +78,11 @@ def effective_bandwidth_mbit(prof: Profile, world_size: int, allreduce_s: float)
     return _REFERENCE_MBIT * modelled / allreduce_s
 
 
-#: Candidates timed on the real network after the quality probe, besides DDP.
+#: Candidates timed on the real network after the quality probe.
 SHORTLIST = 3
+#: Seconds of timed dense all-reduces auto's CCR measurement may spend after its warm-up (at least one
+#: repetition): on 2 hosts at 5 Mbit/s one dense all-reduce of a 0.16 M-parameter model takes ~1 s.
+CCR_BUDGET_S = 2.0
 #: Algorithms auto does not probe: every model measured put their error far above the quality model's
 #: limit (COVAP K=2-6 with fp16 shards 0.59-0.95, top-k 0.01 0.60-1.01 on the ResNet-8, its 3-rank and
 #: wide forms, the character LSTM, the ViT and the GRU), while metering them costs the probe 1/K of a dense
@@ -134,20 +140,24 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         metered = [e for e in worth if e not in CASTS]
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
+        probe = None
         if metered:
-            errors.update(measure_quality(model, batches, loss_fn, make_optimizer, metered, bucket_cap_mb,
-                                          process_group=group, seed=seed))
+            probe = QualityProbe(model, batches, loss_fn, make_optimizer, metered, bucket_cap_mb,
+                                 process_group=group, seed=seed)
+            errors.update({e: probe.errors[quality_proxy(e)] for e in metered})
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
         short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)
                  and math.isfinite(r.time_to_quality_s)][:shortlist]
         if short:
-            timed = time_candidates(model, batches, loss_fn, make_optimizer, ["allreduce", *short], bucket_cap_mb,
-                                    process_group=group, seed=seed)
+            timed = time_candidates(model, batches, loss_fn, make_optimizer, short, bucket_cap_mb,
+                                    process_group=group, seed=seed, probe=probe)
             iterations = {e: p.iteration_s for e, p in timed.items()}
+        if probe is not None:
+            probe.close()
     spent = time.perf_counter() - t0
     if iterations:
         advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, optimizer=optimizer,
-                        allowed=lambda e: e in iterations, probe_seconds=spent)
+                        allowed=lambda e: e in iterations or e == "allreduce", probe_seconds=spent)
     else:
         advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer,
                         probe_seconds=spent)
@@ -187,7 +197,7 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     it = iter(list(batches) * 8)
     prof = record_profile(copy.deepcopy(model), lambda: next(it), loss_fn, make_optimizer, workload, batch_size,
                           bucket_cap_mb, iterations=3)
-    ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group)
+    ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group, budget_s=CCR_BUDGET_S)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
     decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, optimizer, bucket_cap_mb,
                       allowed=allowed, group=group, seed=seed)

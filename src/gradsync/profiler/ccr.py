@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collectives import all_gather_flat, collective_device, reduce_scatter_flat
-from ..validation import check_int
+from ..validation import check_float, check_int
 from .compute import device_clock
 
 
@@ -30,12 +30,17 @@ class CCRMeasurement:
 
 def time_dense_allreduce(
     numels: Sequence[int], group: dist.ProcessGroup | None = None, reps: int = 5,
-    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, budget_s: float | None = None,
 ) -> float:
     """Median seconds of blocking all-reduces of one ``dtype`` tensor per bucket, one after another
     (no overlap). One untimed repetition warms the connections up.
 
     Args:
+        reps: timed repetitions (>= 1).
+        budget_s: at most this many seconds (> 0) of timed repetitions, judged from the warm-up's
+            time (MAX over the ranks, so every rank runs as many): ``reps`` is cut to
+            ``budget_s / warm-up`` but kept >= 1. None: ``reps``. On a slow network one dense
+            all-reduce can take seconds.
         device: where the buckets live (the model's device); default
             :func:`~gradsync.comm.collectives.collective_device` of ``group`` (CUDA for NCCL, CPU for
             Gloo). On CUDA the device is synchronised before the clock is read.
@@ -48,7 +53,7 @@ def time_dense_allreduce(
         for t in tensors:
             dist.all_reduce(t, group=group)
 
-    return _median_seconds(run, group, reps, device)
+    return _median_seconds(run, group, reps, device, budget_s)
 
 
 def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: int = 3,
@@ -70,15 +75,18 @@ def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: i
 
 
 def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, reps: int,
-                    device: torch.device) -> float:
+                    device: torch.device, budget_s: float | None = None) -> float:
     """Median wall-clock seconds of ``reps`` calls of ``run`` started together on every rank (a
-    barrier before each), after one untimed call that warms the connections up. On a CUDA
-    ``device`` the device is synchronised before each clock read, since NCCL collectives return
-    once enqueued."""
+    barrier before each), after one untimed call that warms the connections up (and, with
+    ``budget_s``, cuts ``reps`` as :func:`time_dense_allreduce` says). On a CUDA ``device`` the
+    device is synchronised before each clock read, since NCCL collectives return once enqueued."""
     reps = check_int("reps", reps, 1)
+    if budget_s is not None:
+        check_float("budget_s", budget_s, 0.0, 1e6, low_inclusive=False)
     clock = device_clock(device)
     times = []
-    for r in range(reps + 1):
+    r = 0
+    while r <= reps:
         clock()
         dist.barrier(group=group)
         t0 = clock()
@@ -86,18 +94,23 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
         t1 = clock()
         if r:
             times.append(t1 - t0)
+        elif budget_s is not None:
+            warm = torch.tensor([t1 - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
+            reps = max(1, min(reps, int(budget_s / max(float(warm.item()), 1e-9))))
+        r += 1
     return statistics.median(times)
 
 
 def measure_ccr(
     numels: Sequence[int], backward_s: float, group: dist.ProcessGroup | None = None, reps: int = 5,
-    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, budget_s: float | None = None,
 ) -> CCRMeasurement:
     """Collective: measure the dense all-reduce time of buckets ``numels`` (``dtype`` on ``device``,
-    see :func:`time_dense_allreduce`) and return the CCR against ``backward_s`` (seconds),
-    all-reduced with MAX so every rank gets the same value."""
+    ``reps`` and ``budget_s`` as in :func:`time_dense_allreduce`) and return the CCR against
+    ``backward_s`` (seconds), all-reduced with MAX so every rank gets the same value."""
     device = collective_device(group) if device is None else torch.device(device)
-    allreduce_s = time_dense_allreduce(numels, group, reps, device, dtype)
+    allreduce_s = time_dense_allreduce(numels, group, reps, device, dtype, budget_s)
     ccr = torch.tensor([allreduce_s / max(backward_s, 1e-9)], dtype=torch.float64, device=device)
     dist.all_reduce(ccr, op=dist.ReduceOp.MAX, group=group)
     value = float(ccr.item())

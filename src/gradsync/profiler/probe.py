@@ -3,18 +3,20 @@ and iteration time on the real network. Every function is a collective on the jo
 trains private copies of the model on the job's batches (each rank its own) and returns the same
 numbers on every rank (all-reduced statistics), so every rank takes the same decision.
 
-* :func:`measure_quality`: every candidate at once, on one copy trained with dense all-reduce; a
-  :class:`QualityMeter` runs each candidate's hook on the same buckets beside the dense all-reduce and
-  compares its aggregate ``c`` with the dense average ``d``. The relative error
-  ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over :data:`QUALITY_STEPS` steps and every bucket is
-  GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023, arXiv 2305.12201, §3.2: the
-  gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated result, which is what
-  the optimizer receives);
+* :class:`QualityProbe` / :func:`measure_quality`: every candidate at once, on one copy trained by
+  the most exact candidate; a :class:`QualityMeter` runs every other candidate's hook on copies of the
+  same buckets and compares each aggregate ``c`` with the dense average ``d`` of a random sample of
+  every gradient tensor (:data:`REFERENCE_FRACTION` of its elements, the same on every rank). The
+  relative error ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over :data:`QUALITY_STEPS` steps and every
+  bucket is GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023, arXiv
+  2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated
+  result, which is what the optimizer receives);
 * :func:`cast_errors`: the 16-bit casts' error from one backward, without communication;
-* :func:`time_candidates`: each candidate in its own ``DistributedDataParallel``, timed steps taken in
-  turn; the median step (a device-synchronising clock), MAX over the ranks;
+* :func:`time_candidates`: the candidates in turn on one DDP copy per bucket layout (the quality
+  probe's copy where it can serve); the median step (a device-synchronising clock), MAX over the
+  ranks;
 * :func:`measure_quality_on_loopback`: :func:`measure_quality` on forked loopback ranks, for
-  ``gradsync doctor`` before a job exists.
+  ``gradsync doctor`` and ``benchmarks/probe_quality.py``.
 
 The copies' training is thrown away: the probe's cost is start-up time, which auto reports.
 """
@@ -36,8 +38,9 @@ from ..validation import check_int
 from ..algorithms.meter import ProxyBucket, QualityMeter, metered_hook, relative_errors  # noqa: F401
 from .compute import device_clock
 
-__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "measure_quality",
-           "quality_proxy", "time_candidates", "cast_errors", "probe_batches", "START_STEPS", "QUALITY_STEPS"]
+__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "QualityProbe",
+           "measure_quality", "quality_proxy", "single_bucket", "time_candidates", "cast_errors", "probe_batches",
+           "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -87,13 +90,12 @@ def _ddp(model: nn.Module, process_group: Any, bucket_cap_mb: float) -> Distribu
 
 
 def _train_steps(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, batches: Sequence[Batch],
-                 loss_fn: Callable, steps: range, before: Callable[[int], None] = lambda i: None) -> list[float]:
+                 loss_fn: Callable, steps: range) -> list[float]:
     """Train ``ddp`` for the steps in ``steps`` (batches cycled by step number); return each step's
     seconds on a device-synchronising clock."""
     clock = device_clock(ddp.module)
     times = []
     for i in steps:
-        before(i)
         x, y = batches[i % len(batches)]
         t = clock()
         opt.zero_grad(set_to_none=True)
@@ -109,52 +111,163 @@ def _train_steps(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, batch
 #: (benchmarks/probe_quality.py) and where it is used.
 QUALITY_STEPS = 8
 
-#: Start-up steps of every probe: DDP's bucket rebuild after the first, and the dense start-up
-#: iterations of the PowerSGD hooks (``start_iter`` 2).
+#: Start-up steps of every probe copy: DDP rebuilds its buckets after the first; the primary hook
+#: runs its own start iterations (PowerSGD's dense ``start_iter`` 2), the others start compressing
+#: after them (:func:`_past_start`).
 START_STEPS = 2
+
+#: The share of each gradient tensor's elements the quality probe's dense reference all-reduces
+#: (:class:`QualityMeter` ``sample_fraction``): a sixteenth of a dense all-reduce per measured step.
+REFERENCE_FRACTION = 1 / 16
+
+
+def _exactness(entry: str) -> tuple[int, int]:
+    """How close ``entry``'s aggregate is to dense all-reduce's, for ordering: the reference, the
+    16-bit casts, PowerSGD by rank, then the rest."""
+    from ..algorithms import parse_entry
+
+    name, options = parse_entry(entry)
+    if name == "allreduce":
+        return (3, 0)
+    if name in ("fp16", "bf16"):
+        return (2, 0)
+    return (1, int(options["matrix_approximation_rank"])) if "matrix_approximation_rank" in options else (0, 0)
+
+
+def _past_start(state: Any) -> None:
+    """Let a hook that has not run yet compress from its next step where it can (``skip_start``:
+    PowerSGD's dense start iterations exist only for DDP's bucket rebuild after the first iteration,
+    which the probe copy's :data:`START_STEPS` passed); other hooks keep their start iterations
+    (COVAP records its bucket layout in them)."""
+    skip = getattr(state, "skip_start", None)
+    if skip is not None:
+        skip()
+
+
+class _ProbeCopy:
+    """A private copy of ``model`` in ``DistributedDataParallel`` whose communication hook is a
+    :class:`QualityMeter` over the entries' hooks (one bucket for ``single_bucket``), trained on the
+    job's batches; the meter's primary hook (the most exact entry) trains it. After construction it
+    has run :data:`START_STEPS` steps and every hook compresses from the next step."""
+
+    def __init__(self, model: nn.Module, entries: Sequence[str], batches: Sequence[Batch], loss_fn: Callable,
+                 make_optimizer: Callable, bucket_cap_mb: float, process_group: Any, seed: int,
+                 steps_per_epoch: int, single_bucket: bool = False, sample_fraction: float = 1.0):
+        if not batches:
+            raise ValueError("batches must hold at least one (inputs, targets) batch")
+        self.entries = list(entries)
+        self.batches, self.loss_fn, self.process_group = batches, loss_fn, process_group
+        self.local = copy.deepcopy(model)
+        self._build = lambda e: _hook_pair(e, self.local, make_optimizer, process_group, seed,
+                                           int(batches[0][0].shape[0]), steps_per_epoch)[:2]
+        primary = max(range(len(self.entries)), key=lambda i: _exactness(self.entries[i]))
+        self.meter = QualityMeter([self._build(e) for e in self.entries], primary=primary,
+                                  process_group=process_group, sample_fraction=sample_fraction, seed=seed)
+        self.ddp = _ddp(self.local, process_group, 1e4 if single_bucket else bucket_cap_mb)
+        self.ddp.register_comm_hook(self.meter, metered_hook)
+        self.opt = make_optimizer(self.ddp.parameters())
+        self.step = 0
+        self.train(START_STEPS)
+        for state, _ in self.meter.hooks:
+            _past_start(state)
+
+    def train(self, steps: int) -> list[float]:
+        """Train ``steps`` more steps; each step's seconds (a device-synchronising clock)."""
+        times = _train_steps(self.ddp, self.opt, self.batches, self.loss_fn, range(self.step, self.step + steps))
+        self.step += steps
+        return times
+
+    def measure(self, steps: int) -> dict[str, float]:
+        """Collective: each entry's relative error over ``steps`` metered steps, the same on every rank."""
+        self.meter.on = True
+        self.meter.reset()
+        self.train(steps)
+        self.meter.on = False
+        sums = self.meter.sums()
+        dist.all_reduce(sums, group=self.process_group)
+        return dict(zip(self.entries, relative_errors(sums / dist.get_world_size(self.process_group))))
+
+    def time(self, entries: Sequence[str], steps: int) -> dict[str, CandidateProbe]:
+        """Collective: ``steps`` timed steps of each entry, taken in turn (entry 1, entry 2, ..., entry
+        1, ...), so a drift of the network or the machine reaches every entry alike; the median, MAX
+        over the ranks. An entry the copy does not hold yet joins it (after the start steps: it
+        compresses at once)."""
+        for e in entries:
+            if e not in self.entries:
+                state, hook = self._build(e)
+                _past_start(state)
+                self.entries.append(e)
+                self.meter.hooks.append((state, hook))
+        index = [self.entries.index(e) for e in entries]
+        wire0 = [float(self.meter.hooks[i][0].stats()["wire_bytes"]) for i in index]
+        times: list[list[float]] = [[] for _ in entries]
+        for _ in range(steps):
+            for k, i in enumerate(index):
+                self.meter.primary = i
+                times[k] += self.train(1)
+        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64,
+                               device=collective_device(self.process_group))
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
+        return {e: CandidateProbe(e, t, None, (float(self.meter.hooks[i][0].stats()["wire_bytes"]) - w) / steps)
+                for e, i, t, w in zip(entries, index, medians.tolist(), wire0)}
+
+    def close(self) -> None:
+        for state, _ in self.meter.hooks:
+            state.close()
+
+
+class QualityProbe(_ProbeCopy):
+    """Collective: the start-up quality probe: every entry's relative error against dense
+    all-reduce, all entries at once on one copy of the model trained by the most exact entry
+    (:class:`QualityMeter` with a primary; the dense reference all-reduces ``reference_fraction``
+    of each gradient tensor); afterwards :meth:`time` times entries on the same copy, their
+    error-feedback residuals warm.
+
+    Attributes:
+        errors: ``{entry: relative error}`` of the measured entries (the quality proxies of the
+            entries given: :func:`quality_proxy`), identical on every rank.
+    """
+
+    def __init__(self, model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
+                 bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
+                 steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION):
+        steps = check_int("steps", steps, 1, 1000)
+        measured = list(dict.fromkeys(quality_proxy(e) for e in entries))
+        super().__init__(model, measured, batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
+                         steps_per_epoch, sample_fraction=reference_fraction)
+        self.errors = self.measure(steps)
 
 
 def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                     bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
-                    steps_per_epoch: int = 0) -> dict[str, float]:
+                    steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION) -> dict[str, float]:
     """Collective: the relative error of every entry's aggregate against dense all-reduce on this
-    job's gradients, all entries at once on one copy of ``model`` trained with dense all-reduce
-    (:class:`QualityMeter` with no primary): per step one dense all-reduce plus each entry's own
-    collectives.
+    job's gradients (:class:`QualityProbe`): all entries at once on one copy of ``model`` trained by
+    the most exact entry; per step each entry's own collectives plus a dense all-reduce of
+    ``reference_fraction`` of every gradient tensor's elements (in (0, 1]; sampled alike on every
+    rank), over ``steps`` steps after :data:`START_STEPS` start-up steps. ``model`` is not changed.
 
     Args:
         entries: communication hooks that issue their collectives from the hook body (``fp16``,
             ``bf16``, ``powersgd-overlap:...``, ``allreduce``); torch's ``powersgd`` at rank r is
             measured as ``powersgd-overlap`` at rank r (the same per-tensor compression rule and error
             feedback, run per bucket; :func:`quality_proxy`).
-        steps: measured steps (>= 1) after :data:`START_STEPS` start-up steps.
+        steps: measured steps (>= 1).
 
     Returns:
-        ``{entry: relative error}``, identical on every rank.
+        ``{entry: relative error}`` (dimensionless, 0 for an exact setting), identical on every rank.
 
     Raises:
-        ValueError: for an empty ``batches``, ``steps`` < 1 or an entry that is no communication hook.
+        ValueError: for an empty ``batches``, ``steps`` < 1, ``reference_fraction`` outside (0, 1]
+            or an entry that is no communication hook.
     """
-    if not batches:
-        raise ValueError("batches must hold at least one (inputs, targets) batch")
-    steps = check_int("steps", steps, 1, 1000)
-    measured = list(dict.fromkeys(quality_proxy(e) for e in entries))
-    local = copy.deepcopy(model)
-    pairs = [_hook_pair(e, local, make_optimizer, process_group, seed, int(batches[0][0].shape[0]),
-                        steps_per_epoch)[:2] for e in measured]
-    meter = QualityMeter(pairs, primary=None, process_group=process_group)
-    ddp = _ddp(local, process_group, bucket_cap_mb)
-    ddp.register_comm_hook(meter, metered_hook)
-    opt = make_optimizer(ddp.parameters())
-    _train_steps(ddp, opt, batches, loss_fn, range(START_STEPS + steps),
-                 before=lambda i: setattr(meter, "on", i >= START_STEPS))
-    sums = meter.sums()
-    dist.all_reduce(sums, group=process_group)
-    errors = dict(zip(measured, relative_errors(sums / dist.get_world_size(process_group))))
-    for state, _ in pairs:
-        state.close()
-    return {e: errors[quality_proxy(e)] for e in entries}
+    probe = QualityProbe(model, batches, loss_fn, make_optimizer, entries, bucket_cap_mb, steps=steps,
+                         process_group=process_group, seed=seed, steps_per_epoch=steps_per_epoch,
+                         reference_fraction=reference_fraction)
+    probe.close()
+    return {e: probe.errors[quality_proxy(e)] for e in entries}
 
 
 def quality_proxy(entry: str) -> str:
@@ -168,19 +281,26 @@ def quality_proxy(entry: str) -> str:
     return f"powersgd-overlap:{rest}" if name == "powersgd" and rest else base
 
 
+def single_bucket(entry: str) -> bool:
+    """Whether gradsync runs ``entry``'s algorithm on one DDP bucket (the registry's ``single_bucket``)."""
+    from ..algorithms import REGISTRY, parse_entry
+
+    return REGISTRY[parse_entry(entry)[0]].single_bucket
+
+
 def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                     bucket_cap_mb: float, *, steps: int = 5, process_group: Any = None, seed: int = 0,
-                    steps_per_epoch: int = 0) -> dict[str, CandidateProbe]:
-    """Collective: each entry's iteration time on this network, on its own copy of ``model`` in
-    ``DistributedDataParallel`` with its hook (one bucket for an algorithm registered
-    ``single_bucket``): after :data:`START_STEPS` steps each, ``steps`` timed steps per entry taken in
-    turn (entry 1, entry 2, ..., entry 1, ...), so a drift of the network or the machine reaches every
-    entry alike; the median, MAX over ranks.
+                    steps_per_epoch: int = 0, probe: Optional[QualityProbe] = None) -> dict[str, CandidateProbe]:
+    """Collective: each entry's iteration time on this network: ``steps`` timed steps per entry,
+    taken in turn, on a copy of ``model`` in ``DistributedDataParallel`` (:meth:`_ProbeCopy.time`):
+    the entries on DDP's buckets share one copy (``probe``'s, when given: no start steps, residuals
+    warm), those gradsync runs on one bucket (:func:`single_bucket`) another, each after
+    :data:`START_STEPS` start steps. The median, MAX over ranks. ``model`` is not changed.
 
     Returns:
-        ``{entry: CandidateProbe}`` with ``iteration_s`` and ``wire_bytes_per_step``, identical on
-        every rank.
+        ``{entry: CandidateProbe}`` with ``iteration_s`` (seconds) and ``wire_bytes_per_step``
+        (bytes), identical on every rank.
 
     Raises:
         ValueError: for an empty ``batches``, ``steps`` < 1 or an entry that is no communication hook.
@@ -188,27 +308,19 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
     if not batches:
         raise ValueError("batches must hold at least one (inputs, targets) batch")
     steps = check_int("steps", steps, 1, 1000)
-    runs = []
-    for entry in entries:
-        local = copy.deepcopy(model)
-        state, hook, single = _hook_pair(entry, local, make_optimizer, process_group, seed,
-                                         int(batches[0][0].shape[0]), steps_per_epoch)
-        ddp = _ddp(local, process_group, 1e4 if single else bucket_cap_mb)
-        ddp.register_comm_hook(state, hook)
-        opt = make_optimizer(ddp.parameters())
-        _train_steps(ddp, opt, batches, loss_fn, range(START_STEPS))
-        runs.append((entry, state, ddp, opt, float(state.stats()["wire_bytes"]), []))
-    for i in range(START_STEPS, START_STEPS + steps):
-        for _, _, ddp, opt, _, times in runs:
-            times += _train_steps(ddp, opt, batches, loss_fn, range(i, i + 1))
-    medians = torch.tensor([statistics.median(times) for *_, times in runs], dtype=torch.float64,
-                           device=collective_device(process_group))
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=process_group)
-    out = {}
-    for (entry, state, _, _, wire0, _), t in zip(runs, medians.tolist()):
-        out[entry] = CandidateProbe(entry, t, None, (float(state.stats()["wire_bytes"]) - wire0) / steps)
-        state.close()
-    return out
+    out: dict[str, CandidateProbe] = {}
+    for one_bucket in (False, True):
+        group = [e for e in entries if single_bucket(e) == one_bucket]
+        if not group:
+            continue
+        if probe is not None and not one_bucket:
+            out.update(probe.time(group, steps))
+            continue
+        copy_ = _ProbeCopy(model, group, batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
+                           steps_per_epoch, single_bucket=one_bucket)
+        out.update(copy_.time(group, steps))
+        copy_.close()
+    return {e: out[e] for e in entries}
 
 
 def probe_batches(x: torch.Tensor, y: torch.Tensor, batch_size: int, rank: int, world_size: int, seed: int,
@@ -288,7 +400,7 @@ def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_d
 
 
 def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size: int, entries: list,
-                   bucket_cap_mb: Optional[float], data_dir: Any, seed: int) -> dict:
+                   bucket_cap_mb: Optional[float], data_dir: Any, seed: int, reference_fraction: float) -> dict:
     import datetime
 
     from ..comm.buckets import resolve_bucket_cap_mb
@@ -299,14 +411,15 @@ def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size
     try:
         model, batches, loss_fn, make_optimizer = _job_on_rank(model_spec, batch_size, rank, world, data_dir, seed)
         cap = resolve_bucket_cap_mb("auto", model) if bucket_cap_mb is None else bucket_cap_mb
-        return measure_quality(model, batches, loss_fn, make_optimizer, entries, cap, seed=seed)
+        return measure_quality(model, batches, loss_fn, make_optimizer, entries, cap, seed=seed,
+                               reference_fraction=reference_fraction)
     finally:
         dist.destroy_process_group()
 
 
 def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Sequence[str], world_size: int,
-                                bucket_cap_mb: Optional[float] = None, data_dir: Any = None,
-                                seed: int = 0) -> dict[str, float]:
+                                bucket_cap_mb: Optional[float] = None, data_dir: Any = None, seed: int = 0,
+                                reference_fraction: float = REFERENCE_FRACTION) -> dict[str, float]:
     """:func:`measure_quality` of ``entries`` on ``world_size`` forked Gloo ranks on 127.0.0.1 (the
     error does not depend on the network), for a model spec of
     :func:`~gradsync.profiler.profile.model_for_profile`, each rank on its own batches: a training
@@ -328,5 +441,6 @@ def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Seque
     port = free_port()
     with mp.get_context("fork").Pool(world_size) as pool:
         results = pool.starmap(_loopback_rank, [(r, world_size, port, model_spec, batch_size, list(entries),
-                                                 bucket_cap_mb, data_dir, seed) for r in range(world_size)])
+                                                 bucket_cap_mb, data_dir, seed, reference_fraction)
+                                                for r in range(world_size)])
     return results[0]
