@@ -28,7 +28,7 @@ from ..comm.agreement import check_config_agreement
 from ..comm.futures import shutdown_process_group
 from ..launch import write_result
 from ..options import AUTO
-from ..profiler.auto import agreed_profile, decide
+from ..profiler.auto import resolve_auto
 from ..profiler.probe import QUALITY_STEPS
 from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
@@ -142,9 +142,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     profile = record_profile(copy.deepcopy(model0), lambda: next(it), loss_fn, make_optimizer, cfg.workload,
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
     if AUTO in cfg.algorithms:  # the choice from this run's profile, network and gradients (every rank the same)
-        agreed, allreduce_s = agreed_profile(profile, ccr.allreduce_s)
-        decision = decide(agreed, allreduce_s, model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer,
-                          workload.optimizer, cfg.bucket_cap_mb, seed=cfg.seed)
+        # what --algorithm auto does in a job (its own profile, dense all-reduce and probe), so that
+        # probe_seconds is what measuring costs a job on this network
+        decision = resolve_auto(model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer, workload.optimizer,
+                                cfg.workload, cfg.batch_size, cfg.bucket_cap_mb, seed=cfg.seed)
         chosen[AUTO] = {"entry": decision.entry, "reason": decision.advice.reason,
                         "errors": decision.errors, "iterations_s": decision.iterations,
                         "probe_seconds": decision.probe_seconds}

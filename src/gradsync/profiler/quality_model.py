@@ -134,10 +134,12 @@ def cross_validate(points: Iterable[QualityPoint]) -> dict[str, float]:
 
 
 #: Fitted by ``python benchmarks/fit_quality_model.py`` on 24 points of 4 workloads (the ResNet-8 at 2 and 3
-#: ranks, the ResNet-8 at width 32, the character transformer with AdamW); frozen before any
-#: out-of-sample workload was run (docs/results.md, "The quality model").
+#: ranks, the ResNet-8 at width 32, the character transformer with AdamW), with errors measured as the probe
+#: measures them since 4c9a1b1 (every candidate compressing all 8 measured steps; a sampled reference). Refitted
+#: after the ViT's and the GRU's first out-of-sample runs, on the same 4 workloads only: neither entered the
+#: fit (docs/results.md, "The quality model").
 FITTED = QualityModel(
-    max_error=0.383, slope=0.201, max_error_adaptive=0.101,
+    max_error=0.508, slope=0.113, max_error_adaptive=0.151,
     cv=("leave-one-workload-out: 2 of 24 points misclassified (PowerSGD r=8 overlapped at 3 ranks, which reached "
         "the target on 3 of 5 seeds, and the transformer's AdamW row, the only Adam-family miss); mean absolute error "
         "of the extra-steps fraction 0.045"))
