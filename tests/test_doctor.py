@@ -96,12 +96,18 @@ def test_cli_refuses_bad_network(argv, flag, capsys):
     assert exc.value.code == 2 and flag in capsys.readouterr().err
 
 
-def test_module_function_model(tmp_path, monkeypatch):
+@pytest.fixture
+def user_model(tmp_path, monkeypatch):
+    """A ``module:function`` model spec on the import path: ``doctor_user_model:build``."""
     (tmp_path / "doctor_user_model.py").write_text(
         "import torch\n"
         "def build():\n    return torch.nn.Linear(5, 3)\n"
         "def make_batch(batch_size):\n    return torch.randn(batch_size, 5), torch.randint(0, 3, (batch_size,))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    return "doctor_user_model:build"
+
+
+def test_module_function_model(user_model):
     model, make_batch, loss_fn = model_for_profile("doctor_user_model:build", 4)
     x, y = make_batch()
     assert x.shape == (4, 5) and loss_fn(model(x), y).ndim == 0
@@ -136,18 +142,13 @@ def test_cli_fashion_mnist(tmp_path, capsys):
     assert d["command"] == train_command(d["choice"]["entry"], d["bucket_cap_mb"])
 
 
-def test_loopback_ranks_measure_on_their_own_batches(tmp_path, monkeypatch):
+def test_loopback_ranks_measure_on_their_own_batches(user_model):
     # doctor's loopback ranks each draw their own batches (a quality measured on identical gradients
     # would hide what averaging several ranks' compressed gradients costs); a workload uses its training
     # batches as auto sees them on a job
     from gradsync.profiler.probe import QUALITY_STEPS, _job_on_rank
 
-    (tmp_path / "doctor_rank_model.py").write_text(
-        "import torch\n"
-        "def build():\n    return torch.nn.Linear(5, 3)\n"
-        "def make_batch(batch_size):\n    return torch.randn(batch_size, 5), torch.randint(0, 3, (batch_size,))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for spec in ("doctor_rank_model:build", "fashion-mnist"):
+    for spec in (user_model, "fashion-mnist"):
         jobs = [_job_on_rank(spec, 8, rank, 2, None, seed=3) for rank in (0, 1)]
         (m0, b0, _, _), (m1, b1, _, _) = jobs
         assert len(b0) == len(b1) == QUALITY_STEPS and b0[0][0].shape[0] == 8
