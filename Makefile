@@ -51,7 +51,9 @@ demo: setup
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --out results
 
+# The layers of .importlinter first (an upward import fails the run), then the suite.
 test: setup
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q tests --durations=15
 
 # The documentation site (docs/, mkdocs.yml; API reference from the docstrings) into site/; --strict makes a
