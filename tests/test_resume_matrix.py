@@ -100,3 +100,82 @@ def test_cli_resume_continues_the_uninterrupted_losses(cli_runs, algorithm):
     assert part["test_loss"] == full["test_loss"], f"gradsync train {algorithm}: the model after step 6 differs"
     if algorithm not in DENSE:  # the resumed steps compress: their state is what the checkpoint carried
         assert part["ratio"] > 1.05, part
+
+
+# ------------------------------------------------------------------------------------------ gradsync.wrap
+def _wrap_job(rank, world, root, resume):
+    """Every algorithm through :func:`gradsync.wrap` on every_algorithm's MLP (several DDP buckets): 6
+    steps saving after step 3 (hooks: model, optimizer and ``ddp.gradsync_state``; DeAR: its
+    ``state_dict()``), or (``resume``) a fresh model and wrapper loading that and training steps 4-6.
+    Returns per algorithm the losses of the steps trained, the parameters after step 6 and the wire and
+    dense bytes of steps 4-6."""
+    import torch.nn.functional as F
+
+    import gradsync
+    from every_algorithm import batches, small_model
+
+    data = batches(rank, STEPS)
+    out = {}
+    for name in NAMES:
+        try:
+            model = small_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+            w = gradsync.wrap(model, opt, name, bucket_cap_mb=0.01, **_options(name))
+            hook = hasattr(w, "gradsync_state")
+            path = f"{root}/{name}.rank{rank}.pt"
+            if resume:
+                ck = torch.load(path, weights_only=True)
+                if hook:
+                    model.load_state_dict(ck["model"])
+                    opt.load_state_dict(ck["optimizer"])
+                    w.gradsync_state.load_state_dict(ck["state"])
+                else:
+                    w.load_state_dict(ck["dear"])
+            def counters():
+                stats = w.gradsync_state.stats() if hook else w.stats()
+                return stats["wire_bytes"], stats["dense_wire_bytes"]
+
+            losses, since = [], counters()
+            for i in range(SAVE if resume else 0, STEPS):
+                (opt if hook else w).zero_grad()
+                loss = F.cross_entropy(w(data[i][0]), data[i][1])
+                loss.backward()
+                (opt if hook else w).step()
+                losses.append(loss.item())
+                if i + 1 == SAVE and not resume:
+                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                "state": w.gradsync_state.state_dict()} if hook else {"dear": w.state_dict()}, path)
+                    since = counters()
+            if not hook:
+                w.flush()
+            out[name] = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+                         "bytes": [b - a for a, b in zip(since, counters())]}  # wire and dense, steps 4-6
+            getattr(w.gradsync_state if hook else w, "close", lambda: None)()
+        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
+            out[name] = f"{type(exc).__name__}: {exc}"
+        torch.distributed.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def wrap_runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("wrap"))
+    full = run_ranks(_wrap_job, 2, root, False, timeout=240, pg_timeout=60)
+    part = run_ranks(_wrap_job, 2, root, True, timeout=240, pg_timeout=60)
+    return full, part
+
+
+@pytest.mark.parametrize("algorithm", [pytest.param(n, marks=pytest.mark.xfail(
+    strict=True, reason="ladder's pending quality check is not in its state_dict")) if n == "ladder" else n
+    for n in NAMES])
+def test_wrap_resume_continues_the_uninterrupted_losses(wrap_runs, algorithm):
+    for rank, (full, part) in enumerate(zip(*(
+            [r.get(algorithm, "no result") for r in runs] for runs in wrap_runs))):
+        assert not isinstance(full, str), f"gradsync.wrap {algorithm}, rank {rank}, uninterrupted: {full}"
+        assert not isinstance(part, str), f"gradsync.wrap {algorithm}, rank {rank}, resumed: {part}"
+        assert part["losses"] == full["losses"][SAVE:], f"gradsync.wrap {algorithm}, rank {rank}: steps 4-6 differ"
+        same = [torch.equal(a, b) for a, b in zip(full["params"], part["params"])]
+        assert all(same), f"gradsync.wrap {algorithm}, rank {rank}: parameters after step 6 differ ({same})"
+        assert part["bytes"] == full["bytes"], f"gradsync.wrap {algorithm}, rank {rank}: steps 4-6 sent other bytes"
+        if algorithm not in DENSE | {"ladder"}:  # (the ladder's quality checks add dense all-reduces)
+            assert part["bytes"][1] > 1.05 * part["bytes"][0], part["bytes"]  # steps 4-6 compressed

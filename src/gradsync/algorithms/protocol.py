@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from .recorded_layout import LAYOUT_KEY, call_in_recorded_layout, restore_layout, saved_layout
 from .state_io import from_safe, to_safe
 
 
@@ -29,7 +30,9 @@ class Algorithm:
         """Every subclass's own ``state_dict`` returns the weights-only loadable form
         (:func:`~gradsync.algorithms.state_io.to_safe`) and its ``load_state_dict`` accepts it
         (:func:`~gradsync.algorithms.state_io.from_safe` first): one safe form for every algorithm,
-        whatever it keeps (numpy generators, arrays), for every entry point that saves it."""
+        whatever it keeps (numpy generators, arrays), for every entry point that saves it. A hook
+        state's DDP bucket layout, recorded by :func:`settling_hook`, travels with it
+        (:mod:`~gradsync.algorithms.recorded_layout`)."""
         super().__init_subclass__(**kwargs)
         own = cls.__dict__
         if "state_dict" in own and not getattr(own["state_dict"], "_gradsync_safe", False):
@@ -98,7 +101,11 @@ def _safe_state_dict(fn: Any) -> Any:
     @functools.wraps(fn)
     def state_dict(self: Any) -> dict[str, Any]:
         self.settle()
-        return to_safe(fn(self), f"{type(self).__name__}.state_dict()")
+        out = fn(self)
+        layout = saved_layout(self)
+        if layout is not None and isinstance(out, dict):
+            out = {**out, LAYOUT_KEY: layout}
+        return to_safe(out, f"{type(self).__name__}.state_dict()")
 
     state_dict._gradsync_safe = True  # type: ignore[attr-defined]
     return state_dict
@@ -107,7 +114,11 @@ def _safe_state_dict(fn: Any) -> Any:
 def _safe_load_state_dict(fn: Any) -> Any:
     @functools.wraps(fn)
     def load_state_dict(self: Any, state: dict[str, Any]) -> None:
-        return fn(self, from_safe(state))
+        state = from_safe(state)
+        if isinstance(state, dict) and LAYOUT_KEY in state:
+            state = dict(state)
+            restore_layout(self, state.pop(LAYOUT_KEY))
+        return fn(self, state)
 
     load_state_dict._gradsync_safe = True  # type: ignore[attr-defined]
     return load_state_dict
@@ -123,15 +134,24 @@ def _settled(fn: Any) -> Any:
     return method
 
 
-def settling_hook(hook: Any) -> Any:
+def settling_hook(hook: Any, model: Optional[torch.nn.Module] = None) -> Any:
     """``hook`` (a DDP communication hook of an :class:`Algorithm` state) calling ``state.settle()``
     at the first bucket of each iteration, so a decision the state deferred in the previous
     iteration is applied before this one reads the state (also on paths that take no snapshot: dense
-    steps, a dense tail). Keeps the hook's signature and annotations (DDP checks them)."""
+    steps, a dense tail). With the ``model`` DDP wraps, it also records DDP's bucket layout (saved
+    with the state) and runs the first iteration after a restore in it, before a fresh DDP's bucket
+    rebuild (:mod:`~gradsync.algorithms.recorded_layout`), so a resumed run repeats the uninterrupted
+    one. Keeps the hook's signature and annotations (DDP checks them)."""
+    from ..feedback.residual import parameter_names
+
+    names = parameter_names(model) if model is not None else None
+
     @functools.wraps(hook)
     def settled(state: Any, bucket: Any) -> Any:
         if bucket.index() == 0:
             state.settle()
+        if names:
+            return call_in_recorded_layout(hook, state, bucket, names)
         return hook(state, bucket)
 
     return settled

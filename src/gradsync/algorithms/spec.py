@@ -50,7 +50,7 @@ def hook_algorithm(name: str, summary: str, options: type[Options], make_hook: M
 
     def make_settling_hook(opts: Any, ctx: BuildContext) -> HookPair:
         state, hook = make_hook(opts, ctx)
-        return state, settling_hook(hook)
+        return state, settling_hook(hook, ctx.model)
 
     def build(opts: Any, ctx: BuildContext) -> Synchroniser:
         state, hook = make_settling_hook(opts, ctx)
