@@ -165,9 +165,7 @@ def wrap_runs(tmp_path_factory):
     return full, part
 
 
-@pytest.mark.parametrize("algorithm", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="ladder's pending quality check is not in its state_dict")) if n == "ladder" else n
-    for n in NAMES])
+@pytest.mark.parametrize("algorithm", NAMES)
 def test_wrap_resume_continues_the_uninterrupted_losses(wrap_runs, algorithm):
     for rank, (full, part) in enumerate(zip(*(
             [r.get(algorithm, "no result") for r in runs] for runs in wrap_runs))):

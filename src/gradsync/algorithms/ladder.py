@@ -168,6 +168,8 @@ class LadderState(HookState):
         return {"iteration": self.iteration, "index": self.index, "switches": list(self.switches),
                 "retired": dict(self.retired), "last_error": self.last_error,
                 "meter_dense_wire_bytes": self.meter.dense_wire_bytes, "pending_check": self._pending_check,
+                # a check measured in the last step is decided at the next step's first bucket: its sums
+                "meter_sums": self.meter.sums().cpu() if self._pending_check else None,
                 "inner": self.meter.hooks[0][0].state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +184,11 @@ class LadderState(HookState):
         self.last_error = state["last_error"]
         self.meter.dense_wire_bytes = float(state["meter_dense_wire_bytes"])
         self._pending_check = bool(state["pending_check"])
+        self.meter.reset()
+        sums = state.get("meter_sums")
+        if self._pending_check and sums is not None:
+            self.meter.error_sq = [row[0].clone() for row in sums]
+            self.meter.reference_sq = [row[1].clone() for row in sums]
         self.meter.hooks[0][0].load_state_dict(state["inner"])
 
     def close(self) -> None:
