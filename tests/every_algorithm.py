@@ -11,10 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-#: Options given to each algorithm that accepts them (so every one compresses).
+#: Options given to each algorithm that accepts them (so every one compresses). ``period`` (local-sgd,
+#: diloco: steps between syncs) is 5: the callers' 5-step runs end on a sync, where the ranks must
+#: agree (between syncs each rank's model is its own), and their 6- and 8-step runs checkpointed after
+#: step 3 or 4 resume between syncs and sync once after the resume.
 OPTIONS = {"ratio": 2, "density": 0.1, "error_feedback": True, "compressor": "topk", "levels": 127,
            "matrix_approximation_rank": 2, "search_interval": 2, "gain_floor": 0.75, "plateau_tolerance": 0.05,
-           "fusion_mb": 0.01}
+           "fusion_mb": 0.01, "period": 5}
 
 
 def small_model() -> nn.Module:

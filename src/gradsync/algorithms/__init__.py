@@ -34,7 +34,7 @@ def register(spec: AlgorithmSpec) -> None:
 #: Modules that register algorithms, in registration order; each exports ``SPECS``. Adding an
 #: algorithm is its module plus its name here.
 ALGORITHM_MODULES = ("allreduce", "covap", "powersgd", "powersgd_overlap", "compressed", "gravac", "oscar", "dear",
-                     "ladder")
+                     "ladder", "periodic")
 
 for _module in ALGORITHM_MODULES:
     for _spec in importlib.import_module(f"{__name__}.{_module}").SPECS:
