@@ -1,8 +1,8 @@
 """Issue 32's resume matrix: every registered algorithm, through each entry point, saved at step 3 and
 loaded by a fresh process group of fresh processes, continues with the uninterrupted run's losses.
 
-Per entry point two launches of 2 Gloo ranks on 127.0.0.1 (:func:`distributed.run_ranks`, forked
-processes): the first trains every algorithm for :data:`STEPS` steps, uninterrupted, checkpointing
+Per entry point two launches of 2 Gloo ranks on 127.0.0.1 (forked by :func:`distributed.run_ranks`;
+under ``torchrun`` for Accelerate): the first trains every algorithm for :data:`STEPS` steps, uninterrupted, checkpointing
 after step :data:`SAVE`; the second, a new process group of new processes, loads every algorithm's
 checkpoint and trains steps 4-6. The losses of steps 4-6 (and the parameters, or the evaluation, after
 step 6) must be bitwise equal: on CPU Gloo with one thread per rank every algorithm's arithmetic is
@@ -14,16 +14,24 @@ refusal (a ``ValueError`` saying what to use instead) in its own test.
 
 Entry points: ``gradsync train``'s per-rank Python entry (:func:`gradsync.train.loop.run`, the
 function every ``gradsync train`` rank runs, on the Fashion-MNIST workload, checkpoints through
-``--checkpoint-every`` and ``--resume``) and :func:`gradsync.wrap` (DDP + hook or DeAR's pipeline
+``--checkpoint-every`` and ``--resume``), :func:`gradsync.wrap` (DDP + hook or DeAR's pipeline
 around a bare module; the state saved and loaded as a user script does, ``torch.save`` /
-``torch.load(weights_only=True)``). The CUDA rows are in ``tests/test_cuda_nccl.py``.
+``torch.load(weights_only=True)``) and Accelerate (``register_hook`` + ``HookCheckpoint``,
+``accelerator.save_state`` / ``load_state``; this file run under ``torchrun`` as a script). Not here:
+Lightning and the Hugging Face Trainer (their resume is checked for COVAP in ``test_integrations.py``
+and ``test_transformers_trainer.py``; they register the hook through the same
+``build_state_and_hook`` as Accelerate). The CUDA rows are in ``tests/test_cuda_nccl.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import time
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +185,110 @@ def test_wrap_resume_continues_the_uninterrupted_losses(wrap_runs, algorithm):
         assert part["bytes"] == full["bytes"], f"gradsync.wrap {algorithm}, rank {rank}: steps 4-6 sent other bytes"
         if algorithm not in DENSE | {"ladder"}:  # (the ladder's quality checks add dense all-reduces)
             assert part["bytes"][1] > 1.05 * part["bytes"][0], part["bytes"]  # steps 4-6 compressed
+
+
+# ------------------------------------------------------------------------------------------ Accelerate
+HERE = Path(__file__).resolve()
+#: refused on purpose by the integrations, with what the refusal names instead: the algorithms that
+#: replace DDP (DeAR, ...: gradsync.wrap); torch's PowerSGD hook, which needs one DDP bucket on Gloo
+#: (the job's DDP has several, bucket_cap_mb=0.01; it refuses at the first iteration with several)
+INTEGRATION_REFUSALS = {**{n: "gradsync.wrap" for n in NAMES if REGISTRY[n].make_hook is None},
+                        "powersgd": "bucket_cap_mb"}
+
+
+def _accelerate_job(out: Path, resume: bool) -> None:
+    """Every algorithm through Accelerate in this torchrun rank (see :func:`_wrap_job`); writes
+    ``accelerate_{full,resumed}_rank{r}.json``: per algorithm the losses, the parameters' sum of
+    squares (float64, printed exactly) and the wire/dense bytes of steps 4-6, or the error."""
+    import torch.nn.functional as F
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from every_algorithm import batches, small_model
+    from gradsync.integrations.accelerate import HookCheckpoint, register_hook
+
+    torch.set_num_threads(1)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.01)])
+    rank = accelerator.process_index
+    data = batches(rank, STEPS)
+    result = {}
+    for name in [n for n in NAMES if not (resume and n in INTEGRATION_REFUSALS)]:
+        accelerator._models.clear()  # this shared Accelerator saves/loads only this algorithm's objects
+        accelerator._optimizers.clear()
+        accelerator._custom_objects.clear()
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        ddp, opt = accelerator.prepare(model, opt)
+        try:
+            state = register_hook(ddp, name, **_options(name))
+            accelerator.register_for_checkpointing(HookCheckpoint(state, name, accelerator.device))
+            if resume:
+                accelerator.load_state(str(out / name))
+            losses, since = [], None
+            for i in range(SAVE if resume else 0, STEPS):
+                if i == SAVE:
+                    since = state.stats()
+                loss = F.cross_entropy(ddp(data[i][0]), data[i][1])
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if i + 1 == SAVE and not resume:
+                    accelerator.save_state(str(out / name))
+            now = state.stats()
+            result[name] = {"losses": losses,
+                            "params": repr(sum(float(p.double().pow(2).sum()) for p in model.parameters())),
+                            "bytes": [now[k] - since[k] for k in ("wire_bytes", "dense_wire_bytes")]}
+            state.close()
+        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
+            result[name] = f"{type(exc).__name__}: {exc}"
+        torch.distributed.barrier()
+    (out / f"accelerate_{'resumed' if resume else 'full'}_rank{rank}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _torchrun(out: Path, resume: bool) -> list[dict]:
+    from gradsync.comm.rendezvous import free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent / "src"), str(HERE.parent),
+                                                    env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(HERE), "accelerate", str(out), "resume" if resume else "full"]
+    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"accelerate job failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+    kind = "resumed" if resume else "full"
+    return [json.loads((out / f"accelerate_{kind}_rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("accelerate")
+    return _torchrun(out, False), _torchrun(out, True)
+
+
+@pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
+def test_accelerate_resume_continues_the_uninterrupted_losses(accelerate_runs, algorithm):
+    for rank, (full, part) in enumerate(zip(*(
+            [r.get(algorithm, "no result") for r in runs] for runs in accelerate_runs))):
+        assert not isinstance(full, str), f"accelerate {algorithm}, rank {rank}, uninterrupted: {full}"
+        assert not isinstance(part, str), f"accelerate {algorithm}, rank {rank}, resumed: {part}"
+        assert part["losses"] == full["losses"][SAVE:], f"accelerate {algorithm}, rank {rank}: steps 4-6 differ"
+        assert part["params"] == full["params"], f"accelerate {algorithm}, rank {rank}: parameters after step 6 differ"
+        assert part["bytes"] == full["bytes"], f"accelerate {algorithm}, rank {rank}: steps 4-6 sent other bytes"
+
+
+@pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
+def test_accelerate_refuses_clearly(accelerate_runs, algorithm):
+    """The refusal is a ValueError naming what to use instead, on every rank (no hang: the next
+    algorithm ran)."""
+    for rank, r in enumerate(accelerate_runs[0]):
+        got = r.get(algorithm, "no result")
+        assert isinstance(got, str) and "ValueError" in got and INTEGRATION_REFUSALS[algorithm] in got, \
+            f"accelerate {algorithm}, rank {rank}: {got}"
+
+
+if __name__ == "__main__":  # one torchrun rank of an integration job: JOB OUT full|resume
+    {"accelerate": _accelerate_job}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3] == "resume")
