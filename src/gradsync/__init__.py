@@ -43,6 +43,10 @@ def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_c
       is ``ddp.gradsync_state`` (``stats()``, ``state_dict()``); keep calling ``optimizer.step()``.
     * ``dear`` / ``dear-covap``: returns a :class:`gradsync.algorithms.dear.DeAR` wrapper; call
       ``wrapper.step()`` instead of ``optimizer.step()`` and ``wrapper.flush()`` before evaluation.
+    * ``local-sgd`` / ``diloco``: returns a :class:`~gradsync.algorithms.periodic.base.PeriodicWrapper` (local
+      steps, a sync every ``period`` steps); call ``wrapper.step()`` (optionally ``wrapper.step(scaler)``)
+      instead of ``optimizer.step()``; ``wrapper.state_dict()`` holds this rank's model, optimizer and
+      the algorithm's state.
 
     ``options`` are the algorithm's (``gradsync.algorithms.REGISTRY[algorithm].options``). ``scaler``:
     the ``torch.amp.GradScaler`` of fp16 mixed precision, if any; DeAR-pipeline algorithms need it
