@@ -113,7 +113,7 @@ def test_cli_resume_continues_the_uninterrupted_losses(cli_runs, algorithm):
 # ------------------------------------------------------------------------------------------ gradsync.wrap
 def _wrap_job(rank, world, root, resume):
     """Every algorithm through :func:`gradsync.wrap` on every_algorithm's MLP (several DDP buckets): 6
-    steps saving after step 3 (hooks: model, optimizer and ``ddp.gradsync_state``; DeAR: its
+    steps saving after step 3 (hooks: model, optimizer and ``ddp.gradsync_state``; DeAR and other wrappers: their
     ``state_dict()``), or (``resume``) a fresh model and wrapper loading that and training steps 4-6.
     Returns per algorithm the losses of the steps trained, the parameters after step 6 and the wire and
     dense bytes of steps 4-6."""
@@ -138,7 +138,7 @@ def _wrap_job(rank, world, root, resume):
                     opt.load_state_dict(ck["optimizer"])
                     w.gradsync_state.load_state_dict(ck["state"])
                 else:
-                    w.load_state_dict(ck["dear"])
+                    w.load_state_dict(ck["wrapper"])
             def counters():
                 stats = w.gradsync_state.stats() if hook else w.stats()
                 return stats["wire_bytes"], stats["dense_wire_bytes"]
@@ -152,7 +152,7 @@ def _wrap_job(rank, world, root, resume):
                 losses.append(loss.item())
                 if i + 1 == SAVE and not resume:
                     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "state": w.gradsync_state.state_dict()} if hook else {"dear": w.state_dict()}, path)
+                                "state": w.gradsync_state.state_dict()} if hook else {"wrapper": w.state_dict()}, path)
                     since = counters()
             if not hook:
                 w.flush()
