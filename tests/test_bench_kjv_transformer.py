@@ -19,9 +19,10 @@ HAVE_KJV = shutil.which(kjv.BIBLE_PROGRAM) is not None and kjv.BIBLE_DATA.is_fil
 @pytest.mark.timeout(900)
 def test_bench_runs_kjv_transformer_with_every_algorithm(tmp_path):
     names = sorted(REGISTRY)
+    # --period 1: local-sgd and diloco sync after every step, so their one measured step sends bytes too
     proc = run_cli(["bench", "--workload", "kjv-transformer",
                     "--algorithms", ",".join(names), "--batch-size", "2", "--steps", "1", "--warmup", "0",
-                    "--rounds", "1", "--ratio", "2", "--out", str(tmp_path)],
+                    "--rounds", "1", "--ratio", "2", "--period", "1", "--out", str(tmp_path)],
                     timeout=880)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loopback, NOT shaped" in proc.stdout
