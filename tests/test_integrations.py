@@ -11,6 +11,12 @@ world size, then SUM), so per-step losses must agree to 1e-6 (observed: bitwise)
 ``start_iter`` = 2 dense warm-up iterations, then each element is sent once every 4 iterations, so over
 16 compressed iterations (a multiple of K) the bytes sent equal a quarter of the dense bytes up to
 shard rounding (< 1 %).
+
+``algorithm="auto"``: each framework's job also trains with ``"auto"`` (the choice depends on this
+machine's load, so only what holds for any choice is checked: same entry on both ranks, a hook for the
+framework's own buckets, finite losses, one line printed), resumes from its checkpoint (recorded choice,
+nothing measured, the uninterrupted run's losses to 1e-6), and resumes with rank 1's checkpoint edited to
+another choice (``ValueError`` on both ranks). The stdout of each job is kept as ``{job}.stdout``.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -57,6 +64,14 @@ def _mlp():
 
 def _residual_sums(state) -> dict[str, float]:
     return {str(k): float(v.double().abs().sum()) for k, v in state.filter.memory.residuals.items()}
+
+
+def _iteration_and_residuals(state) -> dict:
+    """The hook state's iteration and (where it keeps error-feedback residuals, as COVAP) their sums."""
+    out = {"iteration": state.stats()["iteration"]}
+    if hasattr(state, "filter"):
+        out["residuals"] = _residual_sums(state)
+    return out
 
 
 def _destroy_process_group() -> None:
@@ -159,8 +174,86 @@ def _lightning_job(out: Path) -> None:
             result[prefix + "resume_error"] = f"{type(exc).__name__}: {exc}"
         result[prefix + "resume_seen"] = probe.seen
     rank = int(os.environ["RANK"])
+    _lightning_auto(out, rank, fit, result)
     (out / f"lightning_rank{rank}.json").write_text(json.dumps(result))
     _destroy_process_group()
+
+
+def _auto_record(result: dict, key: str, choice, stats: dict) -> None:
+    """What an ``algorithm="auto"`` run chose: entry, whether it measured, where the choice came from."""
+    result[key + "_entry"] = choice.entry
+    result[key + "_measured"] = choice.decision is not None
+    result[key + "_source"] = choice.source
+    result[key + "_stats"] = stats
+
+
+def _recorded_differently(payload: dict, entry: str) -> dict:
+    """``payload`` with another recorded auto choice than ``entry`` (what rank 1 resumes from in the
+    mismatch runs)."""
+    return {**payload, "auto_entry": "fp16" if entry != "fp16" else "allreduce"}
+
+
+def _lightning_auto(out: Path, rank: int, fit, result: dict) -> None:
+    """GradsyncHook("auto"): a measured fit of 2 epochs (checkpoint after each), the same fit with the
+    chosen entry as a fixed algorithm, a resume from epoch 0 (no measuring), and a resume where rank 1's
+    checkpoint recorded another choice (must fail on both ranks)."""
+    import torch
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from gradsync.algorithms import parse_entry
+    from gradsync.integrations.lightning import GradsyncHook
+
+    auto = GradsyncHook("auto")
+    ckpt = ModelCheckpoint(dirpath=str(out / "auto_ckpt"), save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    result["auto"] = fit([auto, ckpt], 2, checkpoint=True)
+    _auto_record(result, "auto", auto.auto, auto.stats())
+    name, options = parse_entry(auto.auto.entry)
+    result["auto_fixed"] = fit([GradsyncHook(name, **options)], 2)
+    resumed = GradsyncHook("auto")
+    result["auto_resumed"] = fit([resumed], 2, ckpt_path=str(out / "auto_ckpt" / "epoch=0.ckpt"))
+    _auto_record(result, "auto_resumed", resumed.auto, resumed.stats())
+    path = out / "auto_ckpt" / "epoch=0.ckpt"
+    if rank == 1:
+        ckpt1 = torch.load(path, weights_only=True)
+        ckpt1["callbacks"]["GradsyncHook"] = _recorded_differently(ckpt1["callbacks"]["GradsyncHook"],
+                                                                   auto.auto.entry)
+        path = out / "auto_ckpt_rank1.ckpt"
+        torch.save(ckpt1, path)
+    try:
+        fit([GradsyncHook("auto")], 2, ckpt_path=str(path))
+    except ValueError as exc:
+        result["auto_mismatch_error"] = str(exc)
+    dist.barrier()
+
+
+def _accelerate_auto(out: Path, rank: int, run, save_at: int, result: dict) -> None:
+    """register_hook(model, "auto", ...): a measured run (saved at ``save_at``), its resume from that
+    folder (no measuring), and a resume where rank 1's folder recorded another choice."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    auto = run({}, "auto", save_at=save_at, folder="acc_auto_ckpt")
+    choice = auto.pop("choice")
+    _auto_record(result, "auto", choice, auto["stats"])
+    result["auto"] = auto
+    folder = out / "acc_auto_ckpt"
+    resumed = run({}, "auto", start=save_at, load_from=str(folder), resume=str(folder))
+    _auto_record(result, "auto_resumed", resumed.pop("choice"), resumed["stats"])
+    result["auto_resumed"] = resumed
+    if rank == 1:
+        copy = out / "acc_auto_ckpt_rank1"
+        shutil.copytree(folder, copy)
+        for path in copy.glob("custom_checkpoint_*.pkl"):
+            torch.save(_recorded_differently(torch.load(path, weights_only=True), choice.entry), path)
+        folder = copy
+    try:
+        run({}, "auto", start=save_at, load_from=str(folder), resume=str(folder))
+    except ValueError as exc:
+        result["auto_mismatch_error"] = str(exc)
+    dist.barrier()
 
 
 def _accelerate_job(out: Path) -> None:
@@ -180,7 +273,7 @@ def _accelerate_job(out: Path) -> None:
     x, y = _data(world * BATCH * micro)
     xs, ys = x[rank::world], y[rank::world]      # this rank's samples, micro-batch i = rows i*BATCH...
 
-    def run(record, algorithm=None, start=0, stop=micro, save_at=None, load_from=None, **options):
+    def run(record, algorithm=None, start=0, stop=micro, save_at=None, load_from=None, folder="acc_ckpt", **options):
         """Train micro-batches [start, stop); fills ``record`` as it goes (kept if training fails)."""
         accelerator._models.clear()             # this shared Accelerator saves/loads only this run's
         accelerator._optimizers.clear()         # model, optimizer and hook state
@@ -188,12 +281,20 @@ def _accelerate_job(out: Path) -> None:
         model = _mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model, opt = accelerator.prepare(model, opt)
-        state = register_hook(model, algorithm, **options) if algorithm else None
-        if state is not None:
-            accelerator.register_for_checkpointing(HookCheckpoint(state, algorithm, accelerator.device))
+        if algorithm == "auto":      # this rank's first 8 micro-batches, the loop's optimizer and loss
+            batches = [(xs[i * BATCH:(i + 1) * BATCH], ys[i * BATCH:(i + 1) * BATCH]) for i in range(8)]
+            if "resume" not in options:
+                options = dict(options, optimizer=opt, batches=batches, loss_fn=F.cross_entropy)
+            state, record["choice"] = register_hook(model, algorithm, **options)
+            accelerator.register_for_checkpointing(
+                HookCheckpoint(state, algorithm, accelerator.device, auto=record["choice"]))
+        else:
+            state = register_hook(model, algorithm, **options) if algorithm else None
+            if state is not None:
+                accelerator.register_for_checkpointing(HookCheckpoint(state, algorithm, accelerator.device))
         if load_from is not None:
             accelerator.load_state(load_from)
-            record["restored"] = {"iteration": state.iteration, "residuals": _residual_sums(state)}
+            record["restored"] = _iteration_and_residuals(state)
         record["losses"] = losses = []
         accelerator.step = start
         for i in range(start, stop):
@@ -204,8 +305,8 @@ def _accelerate_job(out: Path) -> None:
                 opt.zero_grad()
             losses.append(loss.item())
             if save_at is not None and i + 1 == save_at:
-                accelerator.save_state(str(out / "acc_ckpt"))
-                record["saved"] = {"iteration": state.iteration, "residuals": _residual_sums(state)}
+                accelerator.save_state(str(out / folder))
+                record["saved"] = _iteration_and_residuals(state)
         record["stats"] = state.stats() if state is not None else None
         return record
 
@@ -217,6 +318,7 @@ def _accelerate_job(out: Path) -> None:
         run(result["resumed"], "covap", ratio=K, start=save_at, load_from=str(out / "acc_ckpt"))
     except Exception as exc:
         result["resume_error"] = f"{type(exc).__name__}: {exc}"
+    _accelerate_auto(out, rank, run, save_at, result)
     (out / f"accelerate_rank{rank}.json").write_text(json.dumps(result))
     _destroy_process_group()
 
@@ -234,6 +336,7 @@ def _launch(job: str, out: Path, timeout: float = 240.0, script: Path = HERE) ->
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), job, str(out)]
     proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
+    (out / f"{job}.stdout").write_text(proc.stdout)
     if proc.returncode != 0:
         raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(WORLD)]
@@ -382,6 +485,97 @@ def test_accelerate_resumed_run_continues_exactly(accelerate_runs):
         _check_resume_error(r)
         assert r["resumed"]["losses"] == pytest.approx(r["k4"]["losses"][-2 * K:], abs=1e-6, rel=0)
         assert r["resumed"]["stats"]["iteration"] == WARMUP + 4 * K
+
+
+# ------------------------------------------------------------------------------------------------
+# algorithm="auto" (the choice depends on this machine's load: only what holds for any choice)
+# ------------------------------------------------------------------------------------------------
+def check_auto_run(out: Path, job: str, ranks: list[dict], losses: Callable[[dict], list], iterations: int) -> str:
+    """Both ranks measured, chose the same hook (one that works on the framework's own DDP buckets),
+    trained ``iterations`` hook iterations to finite losses, and rank 0 printed one line saying what it
+    chose and what measuring cost; returns the entry."""
+    import math
+
+    from gradsync.profiler.advise import is_hook
+
+    entry = ranks[0]["auto_entry"]
+    for r in ranks:
+        assert r["auto_entry"] == entry and r["auto_measured"] and r["auto_source"] == "measured"
+        assert r["auto_stats"]["iteration"] == iterations
+        assert losses(r) and all(math.isfinite(v) for v in losses(r))
+    assert is_hook(entry, any_buckets=True)
+    # (searched in the whole output: the other rank's writes may cut into a line)
+    text = (out / f"{job}.stdout").read_text()
+    measured = re.findall(r"gradsync auto: (\S+): [^\n]*\(measuring took \d+\.\d s\)", text)
+    assert measured == [entry], text[-3000:]
+    return entry
+
+
+def check_auto_resume(out: Path, job: str, ranks: list[dict], entry: str, source: str) -> None:
+    """Both ranks took ``entry`` from the checkpoint ``source`` ends with, measured nothing (rank 0 said
+    so, once), and both refused a resume where rank 1's checkpoint recorded another choice."""
+    for r in ranks:
+        assert r["auto_resumed_entry"] == entry and not r["auto_resumed_measured"]
+        assert r["auto_resumed_source"].endswith(source)
+        error = r.get("auto_mismatch_error", "")
+        assert "recorded different choices" in error and f"rank 0: {entry!r}" in error, error
+    text = (out / f"{job}.stdout").read_text()
+    assert text.count(f"gradsync auto: {entry}: the choice recorded in ") == 1, text[-3000:]
+    assert text.count("gradsync auto: ") == 2, text[-3000:]   # that line and the measured run's
+
+
+def test_lightning_auto_chooses_alike_trains_as_its_choice_and_resumes_without_measuring(lightning_runs):
+    out, ranks = lightning_runs
+    entry = check_auto_run(out, "lightning", ranks, lambda r: r["auto"], 2 * STEPS_PER_EPOCH)
+    for r in ranks:
+        # the hook registered is the chosen one, and measuring left model and RNG as they were
+        assert r["auto"] == pytest.approx(r["auto_fixed"], abs=1e-6, rel=0)
+        # the resumed epoch 2 repeats the uninterrupted run's (state restored into the same hook)
+        assert r["auto_resumed"] == pytest.approx(r["auto"][STEPS_PER_EPOCH:], abs=1e-6, rel=0)
+        assert r["auto_resumed_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
+    check_auto_resume(out, "lightning", ranks, entry, "epoch=0.ckpt")
+
+
+def test_accelerate_auto_chooses_alike_and_resumes_without_measuring(accelerate_runs):
+    out, ranks = accelerate_runs
+    entry = check_auto_run(out, "accelerate", ranks, lambda r: r["auto"]["losses"], WARMUP + 4 * K)
+    for r in ranks:
+        assert r["auto_resumed"]["restored"]["iteration"] == r["auto"]["saved"]["iteration"] == WARMUP + 3 * K
+        assert r["auto_resumed"]["losses"] == pytest.approx(r["auto"]["losses"][-2 * K:], abs=1e-6, rel=0)
+        assert r["auto_resumed_stats"]["iteration"] == WARMUP + 4 * K
+    check_auto_resume(out, "accelerate", ranks, entry, "custom_checkpoint_0.pkl")
+
+
+def _disagree(rank, world):
+    from gradsync.integrations import agree_auto_entry
+
+    messages = []
+    for recorded, problem in ((["fp16", "fp16"][rank], None), (["fp16", None][rank], None),
+                              ("fp16", [None, "a fixed algorithm's state"][rank]), (None, None)):
+        try:
+            messages.append(agree_auto_entry(recorded, problem))
+        except ValueError as exc:
+            messages.append(f"ValueError: {exc}")
+    return messages
+
+
+def test_auto_resume_agreement_fails_on_every_rank_where_one_differs():
+    """Unit test of the agreement every integration runs before taking a recorded choice: same ->
+    taken; another or none on one rank, or a rank that cannot read an auto choice -> ValueError on
+    both ranks (no rank left waiting in a collective); none anywhere -> None (measure)."""
+    from distributed import run_ranks
+
+    from gradsync.integrations import recorded_auto_entry
+
+    for same, other, problem, none in run_ranks(_disagree, 2, timeout=120, pg_timeout=30):
+        assert same == "fp16" and none is None
+        assert other.startswith("ValueError") and "rank 0: 'fp16', rank 1: None" in other
+        assert problem.startswith("ValueError") and "rank 1: a fixed algorithm's state" in problem
+    assert recorded_auto_entry(None) == (None, None) and recorded_auto_entry({}) == (None, None)
+    payload = {"format": 1, "algorithm": "auto", "auto_entry": "fp16", "world_size": 2, "ranks": [{}, {}]}
+    assert recorded_auto_entry(payload) == ("fp16", None)
+    entry, problem = recorded_auto_entry({**payload, "algorithm": "covap"})
+    assert entry is None and "'covap'" in problem
 
 
 # ------------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from test_integrations import VOTE, K, WARMUP, _launch
+from test_integrations import (VOTE, K, WARMUP, _auto_record, _launch, _recorded_differently, check_auto_resume,
+                               check_auto_run)
 
 HERE = Path(__file__).resolve()
 STEPS = WARMUP + 2 * K          # 10 optimizer steps, 8 of them compressed
@@ -125,9 +126,40 @@ def _job(out: Path) -> None:
     except ValueError as exc:
         result["bad_ratio"] = str(exc)
     result["hook_file"] = HOOK_STATE_FILE
+    _auto(out, rank, train, result)
     (out / f"trainer_rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _auto(out: Path, rank: int, train, result: dict) -> None:
+    """GradsyncCallback("auto"): a measured run (checkpoint at SAVE_AT), its resume from that checkpoint
+    (no measuring), and a resume where rank 1's checkpoint recorded another choice."""
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.integrations.transformers import HOOK_STATE_FILE, GradsyncCallback
+
+    auto = GradsyncCallback("auto")
+    result["auto"] = train("auto", auto, save=True)
+    _auto_record(result, "auto", auto.auto, auto.stats())
+    checkpoint = out / "auto" / f"checkpoint-{SAVE_AT}"
+    resumed = GradsyncCallback("auto")
+    result["auto_resumed"] = train("auto", resumed, resume=str(checkpoint))
+    _auto_record(result, "auto_resumed", resumed.auto, resumed.stats())
+    name = "auto"
+    if rank == 1:                  # (the callback reads output_dir/checkpoint-N: rank 1 gets its own)
+        name = "auto_rank1"
+        copy = out / name / f"checkpoint-{SAVE_AT}"
+        shutil.copytree(checkpoint, copy)
+        payload = torch.load(copy / HOOK_STATE_FILE, weights_only=True)
+        torch.save(_recorded_differently(payload, auto.auto.entry), copy / HOOK_STATE_FILE)
+        checkpoint = copy
+    try:
+        train(name, GradsyncCallback("auto"), resume=str(checkpoint))
+    except ValueError as exc:
+        result["auto_mismatch_error"] = str(exc)
+    dist.barrier()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,6 +234,16 @@ def test_trainer_resume_without_hook_state_warns_and_starts_fresh(trainer_runs):
 def test_trainer_callback_refuses_bad_options_on_every_rank(trainer_runs):
     _, ranks = trainer_runs
     assert all("ratio" in r.get("bad_ratio", "") for r in ranks)
+
+
+def test_trainer_auto_chooses_alike_and_resumes_without_measuring(trainer_runs):
+    out, ranks = trainer_runs
+    entry = check_auto_run(out, "trainer", ranks, lambda r: r["auto"], STEPS)
+    for r in ranks:
+        # the resumed steps repeat the uninterrupted run's (the chosen hook's state restored)
+        assert r["auto_resumed"] == pytest.approx(r["auto"][SAVE_AT:], abs=1e-6, rel=0)
+        assert r["auto_resumed_stats"]["iteration"] == STEPS
+    check_auto_resume(out, "trainer", ranks, entry, f"checkpoint-{SAVE_AT}/gradsync_hook_state.pt")
 
 
 def test_callback_refuses_dear_and_warns_in_one_process():

@@ -32,16 +32,39 @@ starts ONE process (``--cpu`` selects a single-process CPU run; multi-CPU launch
 on Gloo and wraps the model in DDP. Without ``cpu=True`` both launchers start 2 processes that
 Accelerate treats as single-process runs (``num_processes == 1``, no DDP, no gradient
 synchronisation); :func:`register_hook` raises ``ValueError`` for that case.
+
+``algorithm="auto"``: measure on the job and register the hook chosen
+(:func:`gradsync.profiler.auto.resolve_auto` on every rank: a collective; every rank gets the same
+choice). Accelerate has no training step to call, so the loop's optimizer, this rank's first training
+batches as ``(inputs, targets)`` and the loss are passed in; the returned
+:class:`~gradsync.integrations.AutoChoice` goes to :class:`HookCheckpoint`, so the choice is saved
+with the hook state, and a resumed run passes ``resume=`` the folder it loads, takes the recorded
+choice and measures nothing::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    it = iter(loader)
+    batches = [next(it) for _ in range(8)]   # this rank's (x, y) batches, on accelerator.device
+    state, choice = register_hook(model, "auto", optimizer=optimizer, batches=batches, loss_fn=F.cross_entropy,
+                                  resume=None)           # resume="ckpt" (the folder load_state reads)
+    accelerator.register_for_checkpointing(HookCheckpoint(state, "auto", accelerator.device, auto=choice))
+    # accelerator.load_state("ckpt")                     # on resume, after register_for_checkpointing
+    print(choice.entry, choice.decision)                 # rank 0 also printed one line: choice, reason, seconds
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
+from . import (
+    AUTO, PAYLOAD_FORMAT, AutoChoice, agree_auto_entry, announce_auto, build_auto, build_state_and_hook, choose_auto,
+    find_ddp, gather_hook_state, load_hook_state, recorded_auto_entry)
+
+#: The keyword arguments of ``register_hook(model, "auto", ...)``.
+AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume")
 
 
 def register_hook(model: Any, algorithm: str = "covap", process_group: dist.ProcessGroup | None = None,
@@ -58,16 +81,36 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
         process_group: group of the hook's collectives (``None`` = the default group).
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
             ``"auto"``: the hook calibrates K from its own first iterations and keeps adapting it;
-            see :func:`gradsync.integrations.build_state_and_hook`).
+            see :func:`gradsync.integrations.build_state_and_hook`). With ``algorithm="auto"``
+            (measure on the job, then register the hook chosen; a collective: every rank, same
+            arguments but its own batches), these keyword arguments instead:
+
+            * ``optimizer``: the loop's optimizer (as ``prepare`` returned it); copies of its class
+              with its constructor defaults train the probes (Adam/AdamW: the Adam family).
+            * ``batches``: this rank's first training batches, ``(inputs, targets)`` tensors on the
+              model's device, different on every rank as in training; 8 are measured
+              (:data:`gradsync.profiler.probe.QUALITY_STEPS`; fewer are cycled). The batch-size label is
+              ``inputs``' leading dimension.
+            * ``loss_fn``: ``loss_fn(model(inputs), targets) -> 0-d tensor``.
+            * ``resume`` (optional): the folder ``accelerator.load_state`` will read; the choice it
+              recorded is taken and nothing is measured (``optimizer``, ``batches`` and ``loss_fn`` are
+              then not needed).
 
     Returns:
         The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,
         ``compression_ratio``, ``iteration``; ``state_dict()``), or ``None`` in a single-process run
-        (nothing to synchronise; a warning is issued).
+        (nothing to synchronise; a warning is issued). With ``"auto"``: ``(state, choice)``, ``choice``
+        the :class:`~gradsync.integrations.AutoChoice` (``entry`` registered; ``decision``: the
+        :class:`~gradsync.profiler.auto.AutoDecision` measured, ``None`` on resume) for
+        ``HookCheckpoint(state, "auto", device, auto=choice)``; ``(None, None)`` in a single-process
+        run. Rank 0 prints one line: the choice, why, and what measuring cost in seconds.
 
     Raises:
         ValueError: for an unknown or DeAR algorithm or options out of range; if ``model`` is not a
-            ``DistributedDataParallel`` although several processes run (FSDP, DeepSpeed).
+            ``DistributedDataParallel`` although several processes run (FSDP, DeepSpeed). With
+            ``"auto"``: for an unknown keyword, a missing ``optimizer``/``batches``/``loss_fn`` without
+            ``resume``, empty ``batches``; on every rank, for a ``resume`` folder without an ``auto``
+            hook state or ranks whose folders recorded different choices.
         RuntimeError: from PyTorch, if the model already has a communication hook.
     """
     ddp = find_ddp(model)
@@ -78,15 +121,68 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
 
             warnings.warn("register_hook: single-process run, nothing to synchronise; no hook registered",
                           stacklevel=2)
-            return None
+            return (None, None) if algorithm == AUTO else None
         raise ValueError(
             f"model must be the DistributedDataParallel returned by accelerator.prepare, since "
             f"{world} processes run; got {type(model).__name__}. On a machine without CUDA create "
             f"Accelerator(cpu=True): otherwise Accelerate treats each process as a single-process run and "
             f"does not synchronise gradients at all. FSDP and DeepSpeed have no DDP communication hooks.")
+    if algorithm == AUTO:
+        return _register_auto(ddp, process_group, options)
     state, hook = build_state_and_hook(algorithm, process_group=process_group, model=ddp.module, **options)
     ddp.register_comm_hook(state, hook)
     return state
+
+
+def _register_auto(ddp: Any, process_group: dist.ProcessGroup | None, options: dict[str, Any]
+                   ) -> tuple[Any, AutoChoice]:
+    unknown = sorted(set(options) - set(AUTO_ARGUMENTS))
+    if unknown:
+        raise ValueError(f"register_hook(model, 'auto', ...) takes the keyword arguments {', '.join(AUTO_ARGUMENTS)}; "
+                         f"got {', '.join(unknown)} (auto chooses the algorithm's options)")
+    resume = options.get("resume")
+    if resume is None:
+        missing = [k for k in AUTO_ARGUMENTS[:3] if options.get(k) is None]
+        if missing:
+            raise ValueError(f"register_hook(model, 'auto', ...) measures on the job and needs {', '.join(missing)} "
+                             "(or resume=the checkpoint folder, to take the choice it recorded)")
+        if not list(options["batches"]):
+            raise ValueError("register_hook(model, 'auto', ...) needs at least one (inputs, targets) batch")
+        recorded, problem, source = None, None, None
+    else:
+        recorded, problem, source = _recorded_choice(Path(resume))
+    entry = agree_auto_entry(recorded, problem)
+    if entry is not None:
+        choice = AutoChoice(entry, None, str(source))
+    else:
+        choice = choose_auto(ddp.module, list(options["batches"]), options["loss_fn"], options["optimizer"],
+                             ddp.bucket_bytes_cap / 2 ** 20, process_group=process_group, workload="accelerate")
+    announce_auto(choice)
+    state, hook = build_auto(choice, process_group=process_group, model=ddp.module)
+    ddp.register_comm_hook(state, hook)
+    return state, choice
+
+
+def _recorded_choice(folder: Path) -> tuple[str | None, str | None, Path | None]:
+    """``(entry, problem, file)``: the auto choice a :class:`HookCheckpoint` saved in an
+    ``accelerator.save_state`` folder (Accelerate writes registered objects as
+    ``custom_checkpoint_<i>.pkl``; files that are no weights-only gradsync payload are skipped)."""
+    found = []
+    for path in sorted(folder.glob("custom_checkpoint_*.pkl")):
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:              # another registered object's state: not ours
+            continue
+        if isinstance(payload, dict) and payload.get("format") == PAYLOAD_FORMAT and "ranks" in payload:
+            found.append((path, payload))
+    autos = [(p, d) for p, d in found if d.get("algorithm") == AUTO]
+    if len(autos) == 1:
+        return (*recorded_auto_entry(autos[0][1]), autos[0][0])
+    if autos:
+        return None, f"{folder} holds {len(autos)} 'auto' hook states ({', '.join(p.name for p, _ in autos)})", None
+    if found:
+        return None, recorded_auto_entry(found[0][1])[1], found[0][0]
+    return None, f"{folder} holds no gradsync hook state (custom_checkpoint_*.pkl of a HookCheckpoint)", None
 
 
 class HookCheckpoint:
@@ -101,24 +197,38 @@ class HookCheckpoint:
         state: the state :func:`register_hook` returned.
         algorithm: its algorithm name (a checkpoint of another algorithm is refused).
         device: the model's device (``accelerator.device``); Accelerate loads custom state on the CPU.
+        auto: with ``algorithm="auto"``, the :class:`~gradsync.integrations.AutoChoice`
+            ``register_hook`` returned: its ``entry`` is saved with the state (a resumed
+            ``register_hook(..., resume=folder)`` reads it), and a checkpoint of another choice is refused.
 
     Raises:
-        ValueError: (``load_state_dict``) for a checkpoint of another algorithm or world size.
+        ValueError: for ``state`` ``None``, or ``auto`` given without ``algorithm="auto"`` or missing with
+            it; (``load_state_dict``) for a checkpoint of another algorithm, auto choice or world size.
     """
 
-    def __init__(self, state: Any, algorithm: str, device: torch.device | str | None = None):
+    def __init__(self, state: Any, algorithm: str, device: torch.device | str | None = None,
+                 auto: AutoChoice | None = None):
         if state is None:
             raise ValueError("state must be the hook state register_hook returned; got None "
                              "(a single-process run has no hook to checkpoint)")
+        if (algorithm == AUTO) != (auto is not None):
+            raise ValueError("HookCheckpoint(state, 'auto', device, auto=choice) takes the AutoChoice register_hook "
+                             f"returned with algorithm 'auto' only; got algorithm {algorithm!r}, auto={auto!r}")
         self.state = state
         self.algorithm = algorithm
         self.device = device
+        self.auto = auto
 
     def state_dict(self) -> dict[str, Any]:
+        if self.auto is not None:
+            return gather_hook_state(self.algorithm, self.state, auto_entry=self.auto.entry)
         return gather_hook_state(self.algorithm, self.state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_hook_state(self.algorithm, self.state, state_dict, device=self.device)
+        if self.auto is not None:
+            load_hook_state(self.algorithm, self.state, state_dict, device=self.device, auto_entry=self.auto.entry)
+        else:
+            load_hook_state(self.algorithm, self.state, state_dict, device=self.device)
 
 
-__all__ = ["register_hook", "HookCheckpoint"]
+__all__ = ["AUTO_ARGUMENTS", "register_hook", "HookCheckpoint"]

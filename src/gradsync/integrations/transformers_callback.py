@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,7 +15,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..extras import require
-from . import _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
+from . import (
+    AUTO, AutoChoice, _world, agree_auto_entry, announce_auto, build_auto, build_state_and_hook, check_auto_options,
+    check_hook_algorithm, choose_auto_on_batches, gather_hook_state, load_hook_state, preserved_rng,
+    recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
@@ -36,6 +40,9 @@ class GradsyncCallback(TrainerCallback):
     Args:
         algorithm: a gradsync communication-hook algorithm (``covap``, ``topk``, ``powersgd``, ...; see
             ``gradsync.algorithms.REGISTRY``). DeAR (``dear``, ``dear-covap``) replaces DDP and is refused.
+            ``"auto"``: measure on the job in ``on_train_begin`` and register the hook chosen (see
+            :mod:`gradsync.integrations.transformers`); the choice is kept in ``checkpoint-N/`` and a
+            resumed run takes it without measuring.
         process_group: group of the hook's collectives (``None`` = the default group the ``Trainer``
             set up).
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
@@ -47,19 +54,28 @@ class GradsyncCallback(TrainerCallback):
             ``dense_wire_bytes`` and ``payload_bytes`` in bytes, ``compression_ratio``, ``iteration``
             (optimizer steps the hook ran); ``state_dict()``), or ``None`` before training and in a
             single-process run (nothing to synchronise; a warning is issued, no hook).
+        auto: with ``"auto"``, the :class:`~gradsync.integrations.AutoChoice` of the current ``train()``
+            (``entry`` registered, ``decision``, ``source``), set in ``on_train_begin``; else ``None``.
+        decision: ``auto.decision``: the :class:`~gradsync.profiler.auto.AutoDecision` measured
+            (``None`` where nothing was measured: a fixed algorithm, or a resumed choice).
 
     Raises:
-        ValueError: (at construction) for an unknown or DeAR algorithm; (in ``on_train_begin``) for
-            options out of range, an FSDP/DeepSpeed run, or a resumed run whose hook state only some
-            ranks found; (at the first step of a resumed run) for hook state of another algorithm or
-            world size.
+        ValueError: (at construction) for an unknown or DeAR algorithm, or options given with
+            ``"auto"``; (in ``on_train_begin``) for options out of range, an FSDP/DeepSpeed run, or a
+            resumed run whose hook state only some ranks found; with ``"auto"`` (every rank) for a
+            checkpoint of a fixed algorithm, ranks whose checkpoints recorded different choices, no
+            optimizer or training batch, or batches the model returns no loss for; (at the first step
+            of a resumed run) for hook state of another algorithm or world size.
         RuntimeError: (in ``on_step_end`` of the first step) if several processes run but no
             ``DistributedDataParallel`` ran the model's forward; from PyTorch, if the DDP model
             already has a communication hook (a second ``train()`` on the same ``Trainer``).
     """
 
     def __init__(self, algorithm: str = "covap", process_group: Any = None, **options: Any):
-        check_hook_algorithm(algorithm)
+        if algorithm == AUTO:
+            check_auto_options(options)
+        else:
+            check_hook_algorithm(algorithm)
         self.algorithm = algorithm
         self.process_group = process_group
         self.options = dict(options)
@@ -70,6 +86,13 @@ class GradsyncCallback(TrainerCallback):
         self._device: torch.device | None = None
         self._finder: Any = None          # handle of the global forward pre-hook
         self._pending: dict[str, Any] | None = None
+        self.auto: AutoChoice | None = None
+        self._read_from: str | None = None
+
+    @property
+    def decision(self) -> Any:
+        """The :class:`~gradsync.profiler.auto.AutoDecision` auto measured in this run, or ``None``."""
+        return self.auto.decision if self.auto is not None else None
 
     # -- training lifecycle --------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -77,6 +100,7 @@ class GradsyncCallback(TrainerCallback):
         wait for the wrapper's first forward to register it; read the hook state of a resumed run."""
         self._close()
         self.state, self._hook, self._ddp, self._pending = None, None, None, None
+        self.auto = None
         _, world = _world()
         if world == 1:
             warnings.warn("GradsyncCallback: single-process run, nothing to synchronise; no hook registered",
@@ -88,11 +112,36 @@ class GradsyncCallback(TrainerCallback):
         if model is None:
             raise ValueError("GradsyncCallback.on_train_begin needs the model (the Trainer passes model=...)")
         self._model, self._device = _unwrap(model), args.device
-        self.state, self._hook = build_state_and_hook(
-            self.algorithm, process_group=self.process_group, model=self._model, **self.options)
-        if state.global_step > 0:
-            self._pending = self._read_checkpoint(args, state.global_step, world)
+        if self.algorithm == AUTO:
+            self._choose(args, state, world, kwargs.get("optimizer"), kwargs.get("train_dataloader"))
+        else:
+            self.state, self._hook = build_state_and_hook(
+                self.algorithm, process_group=self.process_group, model=self._model, **self.options)
+            if state.global_step > 0:
+                self._pending = self._read_checkpoint(args, state.global_step, world)
         self._finder = register_module_forward_pre_hook(self._on_forward)
+
+    def _choose(self, args, state, world: int, optimizer: Any, train_dataloader: Any) -> None:
+        """``"auto"``: every rank takes the choice its checkpoint recorded (a resumed run), or measures
+        (a collective) on its first training batches; then builds the chosen hook's state."""
+        self._read_from = None
+        pending = self._read_checkpoint(args, state.global_step, world) if state.global_step > 0 else None
+        recorded, problem = recorded_auto_entry(pending)
+        entry = agree_auto_entry(recorded, problem)
+        if entry is not None:
+            self.auto, self._pending = AutoChoice(entry, None, str(self._read_from)), pending
+        else:
+            if optimizer is None:
+                raise ValueError("GradsyncCallback('auto') needs the Trainer's optimizer (on_train_begin's optimizer=)")
+            bucket_cap_mb = args.ddp_bucket_cap_mb if args.ddp_bucket_cap_mb is not None else 25.0  # DDP's default
+            device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+            self._model.train()            # as the Trainer's training_step sets it
+            with preserved_rng(device):
+                batches = _first_batches(train_dataloader, device)
+                self.auto = choose_auto_on_batches(self._model, batches, _model_loss, optimizer, bucket_cap_mb,
+                                                   process_group=self.process_group, workload="transformers")
+        announce_auto(self.auto)
+        self.state, self._hook = build_auto(self.auto, process_group=self.process_group, model=self._model)
 
     def _on_forward(self, module: torch.nn.Module, inputs: Any) -> None:
         if not isinstance(module, DistributedDataParallel) or _unwrap(module.module) is not self._model:
@@ -103,7 +152,10 @@ class GradsyncCallback(TrainerCallback):
         self._ddp = module
         if self._pending is not None:
             payload, self._pending = self._pending, None
-            load_hook_state(self.algorithm, self.state, payload, device=self._device)
+            if self.auto is not None:
+                load_hook_state(self.algorithm, self.state, payload, device=self._device, auto_entry=self.auto.entry)
+            else:
+                load_hook_state(self.algorithm, self.state, payload, device=self._device)
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the first optimizer step: fail if no DDP forward registered the hook."""
@@ -131,7 +183,10 @@ class GradsyncCallback(TrainerCallback):
         on all ranks) and write it to ``output_dir/checkpoint-N/`` beside the ``Trainer``'s files."""
         if self.state is None or self._ddp is None:
             return
-        payload = gather_hook_state(self.algorithm, self.state)
+        if self.auto is not None:
+            payload = gather_hook_state(self.algorithm, self.state, auto_entry=self.auto.entry)
+        else:
+            payload = gather_hook_state(self.algorithm, self.state)
         if payload["ranks"] is not None:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
@@ -150,7 +205,7 @@ class GradsyncCallback(TrainerCallback):
             if os.path.isfile(path):
                 candidate = torch.load(path, map_location="cpu", weights_only=True)
                 if candidate.get("global_step") == global_step:
-                    payload = candidate
+                    payload, self._read_from = candidate, path
                     break
         found: list[Any] = [None] * world
         dist.all_gather_object(found, payload is not None)
@@ -168,6 +223,42 @@ class GradsyncCallback(TrainerCallback):
     def stats(self) -> dict[str, Any]:
         """``state.stats()`` of the current run (``{}`` when no hook is registered)."""
         return self.state.stats() if self.state is not None else {}
+
+
+def _model_loss(module: Any, batch: Any, index: int) -> torch.Tensor:
+    """The loss a Transformers model returns for a Trainer batch: ``module(**batch).loss``."""
+    if not isinstance(batch, Mapping):
+        raise ValueError(f"GradsyncCallback('auto') measures with model(**batch).loss; the Trainer's batches are "
+                         f"{type(batch).__name__}, not mappings")
+    out = module(**batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else (out[0] if isinstance(out, (tuple, list)) else None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError("GradsyncCallback('auto') measures with model(**batch).loss, and the model returned no loss "
+                         "for the Trainer's batches (do they hold labels?)")
+    return loss
+
+
+def _first_batches(train_dataloader: Any, device: torch.device) -> list[Any]:
+    """This rank's first :data:`~gradsync.profiler.probe.QUALITY_STEPS` training batches (fewer where the
+    loader has fewer), on ``device``: drawn from the DataLoader under Accelerate's prepared loader
+    (``base_dataloader``, this rank's shard), so the prepared loader's epoch, iteration count and
+    end-of-data bookkeeping stay as the Trainer left them."""
+    from ..profiler.probe import QUALITY_STEPS
+
+    if train_dataloader is None:
+        raise ValueError("GradsyncCallback('auto') needs the Trainer's train dataloader (on_train_begin's "
+                         "train_dataloader=)")
+    loader = iter(getattr(train_dataloader, "base_dataloader", train_dataloader))
+    batches = []
+    for _ in range(QUALITY_STEPS):
+        try:
+            batches.append(to_device(next(loader), device))
+        except StopIteration:
+            break
+    del loader
+    if not batches:
+        raise ValueError("GradsyncCallback('auto') needs at least one training batch to measure on; the loader is empty")
+    return batches
 
 
 __all__ = ["GradsyncCallback", "HOOK_STATE_FILE"]
