@@ -24,6 +24,16 @@ residuals differ between ranks) into the checkpoint rank 0 writes, under
 ``on_train_start``, for strategies that restore after ``on_fit_start``). Resuming needs the same world
 size and algorithm.
 
+``GradsyncHook("auto")``: in ``on_train_start`` (after the strategy wrapped the model and the
+training data exist, before the first step) every rank measures on the job
+(:func:`gradsync.integrations.choose_auto`: ``training_step``'s loss on copies of the module, detached
+from the Trainer, on this rank's first 8 batches of ``trainer.train_dataloader``, with copies of the
+first optimizer) and registers the chosen hook (``hook.auto``: the
+:class:`~gradsync.integrations.AutoChoice`; ``hook.decision``: the measured
+:class:`~gradsync.profiler.auto.AutoDecision`); rank 0 prints the choice and what measuring cost. The
+choice goes into the checkpoint with the hook state; ``trainer.fit(ckpt_path=...)`` takes it without
+measuring (every rank raises ``ValueError`` if the ranks' checkpoints recorded different choices).
+
 Each ``trainer.fit`` builds a fresh hook state (Lightning wraps the model in a new DDP per fit), unless
 it resumes from a checkpoint; what a state hooked onto the module (COVAP's timing forward hook) is
 removed when the fit ends (``teardown``), so fitting the same module again does not stack hooks.

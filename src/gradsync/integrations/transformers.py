@@ -34,6 +34,14 @@ checkpoint written without the callback) warns and starts with a fresh state; th
 which (a hook state that only some ranks can read is a ``ValueError``). Resuming needs the same
 algorithm and world size (``ValueError`` otherwise).
 
+``GradsyncCallback("auto")``: in ``on_train_begin`` every rank measures on the job
+(:func:`gradsync.integrations.choose_auto`: ``model(**batch).loss`` on copies of the model, on this
+rank's first 8 batches of the Trainer's train dataloader, with copies of its optimizer) and the chosen
+hook is registered as above (``sync.auto``: the :class:`~gradsync.integrations.AutoChoice`;
+``sync.decision``: the measured :class:`~gradsync.profiler.auto.AutoDecision`); rank 0 prints the choice
+and what measuring cost. The choice is written with the hook state to ``checkpoint-N/``; a resumed run
+takes it without measuring (every rank raises ``ValueError`` if the ranks read different choices).
+
 Gradient accumulation: the ``Trainer`` runs the non-final micro-batches under ``no_sync``; DDP calls
 no hook there, so the hook (and its ``iteration`` counter) runs once per optimizer step.
 
