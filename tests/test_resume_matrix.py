@@ -70,8 +70,8 @@ def _cli_job(rank, world, root, resume):
 
     out = {}
     for name in NAMES:
-        cfg = TrainConfig(algorithm=name, options=_options(name), train_samples=640, batch_size=16,
-                          max_steps=STEPS, eval_samples=32, compute_steps=1, bucket_cap_mb=0.01,
+        cfg = TrainConfig(algorithm=name, options=_options(name), train_samples=320, batch_size=8,
+                          max_steps=STEPS, eval_samples=16, compute_steps=1, bucket_cap_mb=0.01,
                           progress=False, checkpoint=f"{root}/{name}", checkpoint_every=None if resume else SAVE,
                           resume=f"{root}/{name}/step{SAVE}" if resume else None)
         try:
