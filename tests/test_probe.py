@@ -145,3 +145,17 @@ def test_the_meter_refuses_a_sample_without_a_primary_and_fractions_outside_0_1(
     for bad in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match="sample_fraction"):
             QualityMeter([], primary=0, sample_fraction=bad)
+
+
+def test_optimizer_factory_rebuilds_the_jobs_optimizer_adamw_included():
+    # torch's AdamW keeps decoupled_weight_decay in its defaults but does not take it: register_auto's
+    # type(opt)(params, **opt.defaults) raised TypeError for every AdamW job
+    from gradsync.profiler.auto import optimizer_factory
+
+    model = torch.nn.Linear(3, 2)
+    for opt, family in ((torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05), "adamw"),
+                        (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True), "sgd")):
+        got, make = optimizer_factory(opt)
+        copy = make(torch.nn.Linear(3, 2).parameters())
+        assert got == family and type(copy) is type(opt)
+        assert {k: copy.defaults[k] for k in ("lr", "weight_decay")} == {k: opt.defaults[k] for k in ("lr", "weight_decay")}

@@ -248,40 +248,6 @@ def check_auto_options(options: Mapping[str, Any]) -> None:
                          "which chooses the algorithm and its options")
 
 
-def optimizer_factory(optimizer: Any) -> tuple[str, Callable[[Any], torch.optim.Optimizer]]:
-    """``(family, make_optimizer)`` of a job's optimizer for :func:`gradsync.profiler.auto.resolve_auto`:
-    framework wrappers (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are
-    unwrapped; ``make_optimizer(params)`` builds the same class with its ``defaults`` (those its constructor
-    takes); the family
-    is ``"adamw"`` for Adam/AdamW, else ``"sgd"`` (as :func:`gradsync.profiler.auto.register_auto`).
-
-    Raises:
-        ValueError: if ``optimizer`` is no ``torch.optim.Optimizer`` (nor wraps one).
-    """
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
-            inner = getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"algorithm 'auto' needs the job's torch.optim.Optimizer; got {type(optimizer).__name__}")
-    import inspect
-
-    family = "adamw" if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else "sgd"
-    cls, defaults = type(optimizer), dict(optimizer.defaults)
-    accepted = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        # torch's AdamW keeps Adam's ``decoupled_weight_decay`` in its defaults but does not take it
-        defaults = {k: v for k, v in defaults.items() if k in accepted}
-
-    def make_optimizer(params: Any) -> torch.optim.Optimizer:
-        return cls(params, **defaults)
-
-    return family, make_optimizer
-
-
 def batch_size_of(batch: Any) -> int:
     """The leading dimension of the first tensor in ``batch`` (a tensor, or nested mappings, lists and
     tuples of them); 1 where there is none (no tensor, or a 0-d one)."""
@@ -382,7 +348,7 @@ def choose_auto(model: torch.nn.Module, batches: Sequence[tuple[Any, Any]], loss
             (:data:`gradsync.profiler.probe.QUALITY_STEPS` = 8 are measured; fewer are cycled), on the
             model's device; ``inputs`` must have a ``shape`` (a tensor, or :class:`ProbeInputs`).
         loss_fn: ``loss_fn(model(inputs), targets) -> 0-d tensor``.
-        optimizer: the job's optimizer (:func:`optimizer_factory`).
+        optimizer: the job's optimizer (:func:`~gradsync.profiler.auto.optimizer_factory`).
         bucket_cap_mb: the framework DDP's bucket size (MB).
         process_group: the hook's group (``None`` = the default group).
         batch_size: the profile's batch-size label (default: ``inputs``' leading dimension).
@@ -396,7 +362,7 @@ def choose_auto(model: torch.nn.Module, batches: Sequence[tuple[Any, Any]], loss
         ValueError: for empty ``batches``, a world size < 2 or a non-optimizer.
     """
     from ..profiler.advise import is_hook
-    from ..profiler.auto import resolve_auto
+    from ..profiler.auto import optimizer_factory, resolve_auto
 
     batches = list(batches)
     if not batches:
@@ -489,5 +455,5 @@ def announce_auto(choice: AutoChoice) -> None:
 
 __all__ = ["AUTO", "AutoChoice", "BatchLoss", "PAYLOAD_FORMAT", "ProbeInputs", "agree_auto_entry", "announce_auto",
            "batch_size_of", "build_auto", "check_auto_options", "choose_auto", "choose_auto_on_batches",
-           "optimizer_factory", "preserved_rng", "recorded_auto_entry", "to_device", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "framework_attribute",
+           "preserved_rng", "recorded_auto_entry", "to_device", "build_state_and_hook", "check_hook_algorithm", "find_ddp", "framework_attribute",
            "gather_hook_state", "import_torchvision_first", "load_hook_state"]

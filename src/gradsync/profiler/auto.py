@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from .probe import QualityProbe, cast_errors, probe_batches, quality_proxy, time
 from .profile import ccr_at, record_profile
 
 __all__ = ["AUTO", "CCR_BUDGET_S", "SHORTLIST", "AutoDecision", "agreed_profile", "decide", "effective_bandwidth_mbit",
-           "probe_batches", "register_auto", "resolve_auto"]
+           "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -204,6 +205,38 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0)
 
 
+def optimizer_factory(optimizer: Any) -> tuple[str, Callable[[Any], torch.optim.Optimizer]]:
+    """``(family, make_optimizer)`` of a job's optimizer for :func:`resolve_auto`:
+    framework wrappers (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are
+    unwrapped; ``make_optimizer(params)`` builds the same class with its ``defaults`` (those its constructor
+    takes); the family
+    is ``"adamw"`` for Adam/AdamW (the quality model's stricter limit), else ``"sgd"``.
+
+    Raises:
+        ValueError: if ``optimizer`` is no ``torch.optim.Optimizer`` (nor wraps one).
+    """
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"algorithm 'auto' needs the job's torch.optim.Optimizer; got {type(optimizer).__name__}")
+    family = "adamw" if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else "sgd"
+    cls, defaults = type(optimizer), dict(optimizer.defaults)
+    accepted = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        # torch's AdamW keeps Adam's ``decoupled_weight_decay`` in its defaults but does not take it
+        defaults = {k: v for k, v in defaults.items() if k in accepted}
+
+    def make_optimizer(params: Any) -> torch.optim.Optimizer:
+        return cls(params, **defaults)
+
+    return family, make_optimizer
+
+
 def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[Any, AutoDecision]:
     """Collective: ``--algorithm auto`` for a script's own ``DistributedDataParallel``: measure on copies
@@ -238,11 +271,7 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
 
     if not isinstance(ddp, DistributedDataParallel):
         raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
-    family = "adamw" if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else "sgd"
-
-    def make_optimizer(params):
-        return type(optimizer)(params, **optimizer.defaults)
-
+    family, make_optimizer = optimizer_factory(optimizer)
     bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
     decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, family, "script",
                             int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb, allowed=lambda e: is_hook(e, any_buckets=True),
