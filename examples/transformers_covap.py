@@ -15,6 +15,7 @@ GPT-2: Radford et al. 2019; COVAP: Meng, Sun & Li, arXiv 2311.04499.
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -73,13 +74,15 @@ def main() -> None:
               f"dense all-reduce {s['dense_wire_bytes']:.0f} (compression {s['compression_ratio']:.2f}x over "
               f"{s['iteration']} steps)")
     # The Trainer keeps its process group; shut it down before exit (a Gloo group left to interpreter
-    # teardown can abort the process). The barrier first: the Trainer's last collectives (an all_gather of
-    # Python tensors at the end of train()) are freed by a Gloo worker thread that needs the GIL; without
-    # a wait that releases the GIL, the main thread could drop the last reference to the group (DDP's
-    # reducer) while holding the GIL, and the group's destructor waits for that worker: a deadlock at exit
-    # (it hung 2 of 10 runs; with the barrier 14 of 14 finished).
+    # teardown can abort the process). Gloo's worker thread frees a finished collective's work after the
+    # caller has seen it complete, and freeing the Trainer's last all_gather (Python tensors) needs the GIL.
+    # Dropping the last reference to the group (DDP's reducer, when main() returns) joins that worker while
+    # holding the GIL: a deadlock (torch issue #56297; seen here as ~ProcessGroupGloo joining a worker
+    # blocked in ~AsyncBarrierWork -> ~AsyncAllgatherWork -> decref). The barrier drains the queue and the
+    # sleep releases the GIL so the worker can free those works before anything is destroyed.
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+        time.sleep(1.0)
         torch.distributed.destroy_process_group()
 
 

@@ -106,9 +106,10 @@ class QualityMeter:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self._sampled_buckets)
         self._sampled_buckets += 1
         parts = []
-        for offset, grad in gradient_offsets(bucket):
+        for offset, grad in gradient_offsets(bucket):  # drawn on the CPU generator: alike on every device
             n = grad.numel()
-            parts.append(offset + torch.randint(0, n, (max(1, math.ceil(n * self.sample_fraction)),), generator=g))
+            k = max(1, math.ceil(n * self.sample_fraction))
+            parts.append(offset + torch.randint(0, n, (k,), generator=g, device="cpu"))
         return torch.cat(parts).to(bucket.buffer().device)
 
     def reset(self) -> None:
