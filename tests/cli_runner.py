@@ -100,3 +100,18 @@ def _kill_tree(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def run_tree(cmd: Sequence[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)``, except that on
+    the timeout the command's whole process tree is killed (``torchrun``'s ranks included: killing only
+    the launcher left a hung rank running for the rest of the session) before ``TimeoutExpired`` is
+    raised."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from cli_runner import run_tree
 
 HERE = Path(__file__).resolve()
 WORLD, STEPS = 2, 2
@@ -93,7 +94,7 @@ def test_lightning_and_transformers_imported_before_gradsync_run_the_quick_start
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(HERE), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)  # a fresh venv compiles Lightning and Transformers on first import
+    proc = run_tree(cmd, env=env, cwd=tmp_path, timeout=600)  # a fresh venv compiles Lightning and Transformers on first import
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     for r in range(WORLD):
         res = json.loads((tmp_path / f"order_rank{r}.json").read_text())

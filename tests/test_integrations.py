@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+from cli_runner import run_tree
 
 HERE = Path(__file__).resolve()
 WORLD = 2
@@ -335,7 +336,7 @@ def _launch(job: str, out: Path, timeout: float = 240.0, script: Path = HERE) ->
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), job, str(out)]
-    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=timeout)
+    proc = run_tree(cmd, env=env, cwd=out, timeout=timeout)
     (out / f"{job}.stdout").write_text(proc.stdout)
     if proc.returncode != 0:
         raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -616,7 +617,7 @@ def test_example_runs_on_two_cpu_processes_and_compresses(tmp_path, launcher, sc
     else:                            # Lightning starts the second process itself
         env["MASTER_PORT"] = str(free_port())
         cmd = [sys.executable, *target, "--out", str(tmp_path / "ckpt")]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = run_tree(cmd, env=env, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     # the two ranks' summary lines may interleave on the shared stdout (each line is written whole)
     found = dict(re.findall(r"rank (\d): covap put \d+ bytes on the wire, dense all-reduce \d+ "

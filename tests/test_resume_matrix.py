@@ -29,13 +29,13 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from cli_runner import run_tree
 from distributed import run_ranks
 from every_algorithm import OPTIONS as SMALL_OPTIONS
 from gradsync.algorithms import REGISTRY
@@ -256,7 +256,7 @@ def _torchrun(out: Path, resume: bool) -> list[dict]:
                                                     env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(HERE), "accelerate", str(out), "resume" if resume else "full"]
-    proc = subprocess.run(cmd, env=env, cwd=out, capture_output=True, text=True, timeout=240)
+    proc = run_tree(cmd, env=env, cwd=out, timeout=240)
     assert proc.returncode == 0, f"accelerate job failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
     kind = "resumed" if resume else "full"
     return [json.loads((out / f"accelerate_{kind}_rank{r}.json").read_text()) for r in range(2)]
