@@ -548,7 +548,7 @@ def test_accelerate_auto_chooses_alike_and_resumes_without_measuring(accelerate_
 
 
 def _disagree(rank, world):
-    from gradsync.integrations import agree_auto_entry
+    from gradsync.integrations.auto import agree_auto_entry
 
     messages = []
     for recorded, problem in ((["fp16", "fp16"][rank], None), (["fp16", None][rank], None),
@@ -566,7 +566,7 @@ def test_auto_resume_agreement_fails_on_every_rank_where_one_differs():
     both ranks (no rank left waiting in a collective); none anywhere -> None (measure)."""
     from distributed import run_ranks
 
-    from gradsync.integrations import recorded_auto_entry
+    from gradsync.integrations.auto import recorded_auto_entry
 
     for same, other, problem, none in run_ranks(_disagree, 2, timeout=120, pg_timeout=30):
         assert same == "fp16" and none is None

@@ -37,7 +37,7 @@ synchronisation); :func:`register_hook` raises ``ValueError`` for that case.
 (:func:`gradsync.profiler.auto.resolve_auto` on every rank: a collective; every rank gets the same
 choice). Accelerate has no training step to call, so the loop's optimizer, this rank's first training
 batches as ``(inputs, targets)`` and the loss are passed in; the returned
-:class:`~gradsync.integrations.AutoChoice` goes to :class:`HookCheckpoint`, so the choice is saved
+:class:`~gradsync.integrations.auto.AutoChoice` goes to :class:`HookCheckpoint`, so the choice is saved
 with the hook state, and a resumed run passes ``resume=`` the folder it loads, takes the recorded
 choice and measures nothing::
 
@@ -59,9 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import (
-    AUTO, PAYLOAD_FORMAT, AutoChoice, agree_auto_entry, announce_auto, build_auto, build_state_and_hook, choose_auto,
-    find_ddp, gather_hook_state, load_hook_state, recorded_auto_entry)
+from . import AUTO, PAYLOAD_FORMAT, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
+from .auto import AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, recorded_auto_entry
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
 AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume")
@@ -100,7 +99,7 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
         The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,
         ``compression_ratio``, ``iteration``; ``state_dict()``), or ``None`` in a single-process run
         (nothing to synchronise; a warning is issued). With ``"auto"``: ``(state, choice)``, ``choice``
-        the :class:`~gradsync.integrations.AutoChoice` (``entry`` registered; ``decision``: the
+        the :class:`~gradsync.integrations.auto.AutoChoice` (``entry`` registered; ``decision``: the
         :class:`~gradsync.profiler.auto.AutoDecision` measured, ``None`` on resume) for
         ``HookCheckpoint(state, "auto", device, auto=choice)``; ``(None, None)`` in a single-process
         run. Rank 0 prints one line: the choice, why, and what measuring cost in seconds.
@@ -197,7 +196,7 @@ class HookCheckpoint:
         state: the state :func:`register_hook` returned.
         algorithm: its algorithm name (a checkpoint of another algorithm is refused).
         device: the model's device (``accelerator.device``); Accelerate loads custom state on the CPU.
-        auto: with ``algorithm="auto"``, the :class:`~gradsync.integrations.AutoChoice`
+        auto: with ``algorithm="auto"``, the :class:`~gradsync.integrations.auto.AutoChoice`
             ``register_hook`` returned: its ``entry`` is saved with the state (a resumed
             ``register_hook(..., resume=folder)`` reads it), and a checkpoint of another choice is refused.
 

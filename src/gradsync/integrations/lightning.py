@@ -26,10 +26,10 @@ size and algorithm.
 
 ``GradsyncHook("auto")``: in ``on_train_start`` (after the strategy wrapped the model and the
 training data exist, before the first step) every rank measures on the job
-(:func:`gradsync.integrations.choose_auto`: ``training_step``'s loss on copies of the module, detached
+(:func:`gradsync.integrations.auto.choose_auto`: ``training_step``'s loss on copies of the module, detached
 from the Trainer, on this rank's first 8 batches of ``trainer.train_dataloader``, with copies of the
 first optimizer) and registers the chosen hook (``hook.auto``: the
-:class:`~gradsync.integrations.AutoChoice`; ``hook.decision``: the measured
+:class:`~gradsync.integrations.auto.AutoChoice`; ``hook.decision``: the measured
 :class:`~gradsync.profiler.auto.AutoDecision`); rank 0 prints the choice and what measuring cost. The
 choice goes into the checkpoint with the hook state; ``trainer.fit(ckpt_path=...)`` takes it without
 measuring (every rank raises ``ValueError`` if the ranks' checkpoints recorded different choices).

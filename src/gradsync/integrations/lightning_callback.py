@@ -17,9 +17,10 @@ pl = require("lightning.pytorch", "gradsync.integrations.lightning")
 from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 
-from . import (  # noqa: E402
-    AUTO, AutoChoice, agree_auto_entry, announce_auto, build_auto, build_state_and_hook, check_auto_options,
-    choose_auto_on_batches, find_ddp, gather_hook_state, load_hook_state, preserved_rng, recorded_auto_entry)
+from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
+from .auto import (  # noqa: E402
+    AutoChoice, agree_auto_entry, announce_auto, build_auto,
+    check_auto_options, choose_auto_on_batches, preserved_rng, recorded_auto_entry)
 
 
 class GradsyncHook(Callback):
@@ -41,7 +42,7 @@ class GradsyncHook(Callback):
             ``payload_bytes`` in bytes, ``compression_ratio``, ``iteration``...), or ``None`` before the fit starts and in a
             single-process run (nothing to synchronise, no hook); with ``"auto"``, ``None`` until
             ``on_train_start`` has chosen.
-        auto: with ``"auto"``, the :class:`~gradsync.integrations.AutoChoice` of the current fit (``entry``
+        auto: with ``"auto"``, the :class:`~gradsync.integrations.auto.AutoChoice` of the current fit (``entry``
             registered, ``decision``, ``source``); ``None`` before ``on_train_start`` and otherwise.
         decision: ``auto.decision``: the :class:`~gradsync.profiler.auto.AutoDecision` measured
             (``None`` where nothing was measured: a fixed algorithm, or a resumed choice).

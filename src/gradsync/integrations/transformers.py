@@ -35,9 +35,9 @@ which (a hook state that only some ranks can read is a ``ValueError``). Resuming
 algorithm and world size (``ValueError`` otherwise).
 
 ``GradsyncCallback("auto")``: in ``on_train_begin`` every rank measures on the job
-(:func:`gradsync.integrations.choose_auto`: ``model(**batch).loss`` on copies of the model, on this
+(:func:`gradsync.integrations.auto.choose_auto`: ``model(**batch).loss`` on copies of the model, on this
 rank's first 8 batches of the Trainer's train dataloader, with copies of its optimizer) and the chosen
-hook is registered as above (``sync.auto``: the :class:`~gradsync.integrations.AutoChoice`;
+hook is registered as above (``sync.auto``: the :class:`~gradsync.integrations.auto.AutoChoice`;
 ``sync.decision``: the measured :class:`~gradsync.profiler.auto.AutoDecision`); rank 0 prints the choice
 and what measuring cost. The choice is written with the hook state to ``checkpoint-N/``; a resumed run
 takes it without measuring (every rank raises ``ValueError`` if the ranks read different choices).

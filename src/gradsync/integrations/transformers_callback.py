@@ -15,10 +15,10 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..extras import require
-from . import (
-    AUTO, AutoChoice, _world, agree_auto_entry, announce_auto, build_auto, build_state_and_hook, check_auto_options,
-    check_hook_algorithm, choose_auto_on_batches, gather_hook_state, load_hook_state, preserved_rng,
-    recorded_auto_entry, to_device)
+from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
+from .auto import (
+    AutoChoice, agree_auto_entry, announce_auto, build_auto,
+    check_auto_options, choose_auto_on_batches, preserved_rng, recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
@@ -54,7 +54,7 @@ class GradsyncCallback(TrainerCallback):
             ``dense_wire_bytes`` and ``payload_bytes`` in bytes, ``compression_ratio``, ``iteration``
             (optimizer steps the hook ran); ``state_dict()``), or ``None`` before training and in a
             single-process run (nothing to synchronise; a warning is issued, no hook).
-        auto: with ``"auto"``, the :class:`~gradsync.integrations.AutoChoice` of the current ``train()``
+        auto: with ``"auto"``, the :class:`~gradsync.integrations.auto.AutoChoice` of the current ``train()``
             (``entry`` registered, ``decision``, ``source``), set in ``on_train_begin``; else ``None``.
         decision: ``auto.decision``: the :class:`~gradsync.profiler.auto.AutoDecision` measured
             (``None`` where nothing was measured: a fixed algorithm, or a resumed choice).
