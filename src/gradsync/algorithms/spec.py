@@ -2,9 +2,10 @@
 dataclass and a builder that returns a :class:`~gradsync.algorithms.synchroniser.Synchroniser`.
 
 A new algorithm adds one module with its options dataclass (:mod:`gradsync.options`) and
-``SPECS = (hook_algorithm(...),)`` (a DDP communication hook) or ``(wrapper_algorithm(...),)`` (an
-algorithm that replaces DDP), and its module name in ``ALGORITHM_MODULES`` of
-:mod:`gradsync.algorithms`.
+``SPECS = (hook_algorithm(...),)`` (a DDP communication hook) or an :class:`AlgorithmSpec` whose
+``build`` returns its own :class:`~gradsync.algorithms.synchroniser.Synchroniser` (an algorithm that
+replaces DDP: :func:`gradsync.algorithms.dear.synchroniser.wrapper_algorithm`, the periodic
+algorithms), and its module name in ``ALGORITHM_MODULES`` of :mod:`gradsync.algorithms`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 from ..options import Options
 from .protocol import settling_hook
-from .synchroniser import BuildContext, DeARSynchroniser, HookSynchroniser, Synchroniser
+from .synchroniser import BuildContext, HookSynchroniser, Synchroniser
 
 HookPair = tuple  # (state, hook) for ddp.register_comm_hook
 MakeHook = Callable[[Any, BuildContext], HookPair]
@@ -57,18 +58,6 @@ def hook_algorithm(name: str, summary: str, options: type[Options], make_hook: M
         return HookSynchroniser(name, ctx, state, hook, single_bucket=single_bucket)
 
     return AlgorithmSpec(name, summary, options, build, make_settling_hook, single_bucket)
-
-
-def wrapper_algorithm(name: str, summary: str, options: type[Options],
-                      make_filter: Callable[[Any, BuildContext], Any] | None = None) -> AlgorithmSpec:
-    """Spec of a DeAR-pipeline algorithm: ``options.fusion_mb`` is DeAR's fusion threshold and
-    ``make_filter(options, ctx)`` an optional ``grad_filter``."""
-
-    def build(opts: Any, ctx: BuildContext) -> Synchroniser:
-        grad_filter = make_filter(opts, ctx) if make_filter is not None else None
-        return DeARSynchroniser(name, ctx, opts.fusion_mb, grad_filter)
-
-    return AlgorithmSpec(name, summary, options, build)
 
 
 @dataclass(frozen=True)

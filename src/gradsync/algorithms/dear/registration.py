@@ -11,9 +11,9 @@ from typing import Optional
 from ...compressors.cast import CASTS
 from ...compressors.covap_shards import MAX_RATIO
 from ...options import Options, option
-from ..spec import wrapper_algorithm
 from .covap import CovapGradFilter
 from .groups import MAX_FUSION_MB
+from .synchroniser import wrapper_algorithm
 
 
 @dataclass(frozen=True)
