@@ -359,7 +359,7 @@ def test_options_validate_cast_and_adapt_every():
 
 def test_cli_ratio_auto_turns_adaptation_on():
     from gradsync.algorithms.covap import AUTO_ADAPT_EVERY
-    from gradsync.cli import _auto_adapt
+    from gradsync.cli.common import _auto_adapt
 
     assert _auto_adapt({"ratio": "auto"}, ["covap"]) == {"ratio": "auto", "adapt_every": AUTO_ADAPT_EVERY}
     assert _auto_adapt({"ratio": "auto", "adapt_every": 0}, ["covap"]) == {"ratio": "auto", "adapt_every": 0}

@@ -23,7 +23,9 @@ needs_data = pytest.mark.skipif(
 
 
 def _network(*argv):
-    return cli._train_network(cli.build_parser().parse_args(["train", *argv]))
+    from gradsync.cli.train import _train_network
+
+    return _train_network(cli.build_parser().parse_args(["train", *argv]))
 
 
 def test_hosts_and_workers_combinations(monkeypatch):
