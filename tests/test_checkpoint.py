@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, TensorDataset
 
 from gradsync.train import checkpoint as C
+from gradsync.train import checkpoint_files
 from gradsync.train.config import TrainConfig
 
 
@@ -184,14 +185,14 @@ def _kill_self_after(point, rank, when):
 
         os.replace = replace
     else:
-        real_manifest = C.write_manifest
+        real_manifest = checkpoint_files.write_manifest
 
         def write_manifest(directory, *args, **kwargs):
             if when(directory):
                 os.kill(os.getpid(), signal.SIGKILL)
             return real_manifest(directory, *args, **kwargs)
 
-        C.write_manifest = write_manifest
+        checkpoint_files.write_manifest = write_manifest  # where save_checkpoint looks it up
 
 
 def _save_steps(rank, world, roots, steps, crash=None):
@@ -444,7 +445,7 @@ def _save_with_a_full_disk(rank, world, root, failing):
         def full(path, data):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-        C._atomic_write = full  # this forked rank only
+        checkpoint_files._atomic_write = full  # this forked rank only
     t0 = time.monotonic()
     try:
         C.save_checkpoint(f"{root}/step3", {"rank": rank, "w": torch.ones(4)}, step=3, epoch=0, algorithm="covap")
