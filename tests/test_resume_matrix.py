@@ -59,6 +59,21 @@ def _errors(runs: dict) -> dict:
     return {n: r for n, r in runs.items() if isinstance(r, str)}
 
 
+def _per_algorithm(names, run_one) -> dict:
+    """``{name: run_one(name)}`` (left out where it returns None), or the error's type and message per
+    algorithm; a barrier after each, so one failing algorithm leaves the ranks in step."""
+    out = {}
+    for name in names:
+        try:
+            result = run_one(name)
+            if result is not None:
+                out[name] = result
+        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
+            out[name] = f"{type(exc).__name__}: {exc}"
+        torch.distributed.barrier()
+    return out
+
+
 # ------------------------------------------------------------------------------------------ gradsync train
 def _cli_job(rank, world, root, resume):
     """Every algorithm through ``gradsync train``'s rank function: 6 steps with a checkpoint after step 3,
@@ -68,23 +83,20 @@ def _cli_job(rank, world, root, resume):
     from gradsync.train.config import TrainConfig
     from gradsync.train.loop import run
 
-    out = {}
-    for name in NAMES:
+    def one(name):
         cfg = TrainConfig(algorithm=name, options=_options(name), train_samples=320, batch_size=8,
                           max_steps=STEPS, eval_samples=16, compute_steps=1, bucket_cap_mb=0.01,
                           progress=False, checkpoint=f"{root}/{name}", checkpoint_every=None if resume else SAVE,
                           resume=f"{root}/{name}/step{SAVE}" if resume else None)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                res = run(cfg)
-            if res is not None:
-                s = res["summary"]
-                out[name] = {"losses": [i["loss"] for i in res["iterations"]], "test_loss": s["test_loss"],
-                             "ratio": s["compression_ratio"]}
-        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
-            out[name] = f"{type(exc).__name__}: {exc}"
-        torch.distributed.barrier()
-    return out
+        with contextlib.redirect_stdout(io.StringIO()):
+            res = run(cfg)
+        if res is None:
+            return None
+        s = res["summary"]
+        return {"losses": [i["loss"] for i in res["iterations"]], "test_loss": s["test_loss"],
+                "ratio": s["compression_ratio"]}
+
+    return _per_algorithm(NAMES, one)
 
 
 @pytest.fixture(scope="module")
@@ -123,46 +135,44 @@ def _wrap_job(rank, world, root, resume):
     from every_algorithm import batches, small_model
 
     data = batches(rank, STEPS)
-    out = {}
-    for name in NAMES:
-        try:
-            model = small_model()
-            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
-            w = gradsync.wrap(model, opt, name, bucket_cap_mb=0.01, **_options(name))
-            hook = hasattr(w, "gradsync_state")
-            path = f"{root}/{name}.rank{rank}.pt"
-            if resume:
-                ck = torch.load(path, weights_only=True)
-                if hook:
-                    model.load_state_dict(ck["model"])
-                    opt.load_state_dict(ck["optimizer"])
-                    w.gradsync_state.load_state_dict(ck["state"])
-                else:
-                    w.load_state_dict(ck["wrapper"])
-            def counters():
-                stats = w.gradsync_state.stats() if hook else w.stats()
-                return stats["wire_bytes"], stats["dense_wire_bytes"]
 
-            losses, since = [], counters()
-            for i in range(SAVE if resume else 0, STEPS):
-                (opt if hook else w).zero_grad()
-                loss = F.cross_entropy(w(data[i][0]), data[i][1])
-                loss.backward()
-                (opt if hook else w).step()
-                losses.append(loss.item())
-                if i + 1 == SAVE and not resume:
-                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "state": w.gradsync_state.state_dict()} if hook else {"wrapper": w.state_dict()}, path)
-                    since = counters()
-            if not hook:
-                w.flush()
-            out[name] = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
-                         "bytes": [b - a for a, b in zip(since, counters())]}  # wire and dense, steps 4-6
-            getattr(w.gradsync_state if hook else w, "close", lambda: None)()
-        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
-            out[name] = f"{type(exc).__name__}: {exc}"
-        torch.distributed.barrier()
-    return out
+    def one(name):
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        w = gradsync.wrap(model, opt, name, bucket_cap_mb=0.01, **_options(name))
+        hook = hasattr(w, "gradsync_state")
+        path = f"{root}/{name}.rank{rank}.pt"
+        if resume:
+            ck = torch.load(path, weights_only=True)
+            if hook:
+                model.load_state_dict(ck["model"])
+                opt.load_state_dict(ck["optimizer"])
+                w.gradsync_state.load_state_dict(ck["state"])
+            else:
+                w.load_state_dict(ck["wrapper"])
+        def counters():
+            stats = w.gradsync_state.stats() if hook else w.stats()
+            return stats["wire_bytes"], stats["dense_wire_bytes"]
+
+        losses, since = [], counters()
+        for i in range(SAVE if resume else 0, STEPS):
+            (opt if hook else w).zero_grad()
+            loss = F.cross_entropy(w(data[i][0]), data[i][1])
+            loss.backward()
+            (opt if hook else w).step()
+            losses.append(loss.item())
+            if i + 1 == SAVE and not resume:
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                            "state": w.gradsync_state.state_dict()} if hook else {"wrapper": w.state_dict()}, path)
+                since = counters()
+        if not hook:
+            w.flush()
+        result = {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+                  "bytes": [b - a for a, b in zip(since, counters())]}  # wire and dense, steps 4-6
+        getattr(w.gradsync_state if hook else w, "close", lambda: None)()
+        return result
+
+    return _per_algorithm(NAMES, one)
 
 
 @pytest.fixture(scope="module")
@@ -211,38 +221,35 @@ def _accelerate_job(out: Path, resume: bool) -> None:
     accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.01)])
     rank = accelerator.process_index
     data = batches(rank, STEPS)
-    result = {}
-    for name in [n for n in NAMES if not (resume and n in INTEGRATION_REFUSALS)]:
+    def one(name):
         accelerator._models.clear()  # this shared Accelerator saves/loads only this algorithm's objects
         accelerator._optimizers.clear()
         accelerator._custom_objects.clear()
         model = small_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
         ddp, opt = accelerator.prepare(model, opt)
-        try:
-            state = register_hook(ddp, name, **_options(name))
-            accelerator.register_for_checkpointing(HookCheckpoint(state, name, accelerator.device))
-            if resume:
-                accelerator.load_state(str(out / name))
-            losses, since = [], None
-            for i in range(SAVE if resume else 0, STEPS):
-                if i == SAVE:
-                    since = state.stats()
-                loss = F.cross_entropy(ddp(data[i][0]), data[i][1])
-                accelerator.backward(loss)
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-                if i + 1 == SAVE and not resume:
-                    accelerator.save_state(str(out / name))
-            now = state.stats()
-            result[name] = {"losses": losses,
-                            "params": repr(sum(float(p.double().pow(2).sum()) for p in model.parameters())),
-                            "bytes": [now[k] - since[k] for k in ("wire_bytes", "dense_wire_bytes")]}
-            state.close()
-        except Exception as exc:  # noqa: BLE001 - recorded per algorithm
-            result[name] = f"{type(exc).__name__}: {exc}"
-        torch.distributed.barrier()
+        state = register_hook(ddp, name, **_options(name))
+        accelerator.register_for_checkpointing(HookCheckpoint(state, name, accelerator.device))
+        if resume:
+            accelerator.load_state(str(out / name))
+        losses, since = [], None
+        for i in range(SAVE if resume else 0, STEPS):
+            if i == SAVE:
+                since = state.stats()
+            loss = F.cross_entropy(ddp(data[i][0]), data[i][1])
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if i + 1 == SAVE and not resume:
+                accelerator.save_state(str(out / name))
+        now = state.stats()
+        found = {"losses": losses, "params": repr(sum(float(p.double().pow(2).sum()) for p in model.parameters())),
+                 "bytes": [now[k] - since[k] for k in ("wire_bytes", "dense_wire_bytes")]}
+        state.close()
+        return found
+
+    result = _per_algorithm([n for n in NAMES if not (resume and n in INTEGRATION_REFUSALS)], one)
     (out / f"accelerate_{'resumed' if resume else 'full'}_rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
