@@ -148,3 +148,28 @@ def test_ddp_is_timed_beside_the_short_list_only_where_it_is_a_contender():
     # CCR 50: DDP is far behind; its iteration stays simulated (no dense steps on a slow link)
     (far, _), _ = run_ranks(_decide_at, 2, 1.5, timeout=180)
     assert far and "allreduce" not in far
+
+
+def _repetitions(rank, world, budget_s):
+    import time
+
+    import torch
+
+    from gradsync.profiler.ccr import _median_seconds
+
+    calls = []
+
+    def run():  # rank 1's warm-up is the slow one: the MAX over ranks sets every rank's count alike
+        calls.append(1)
+        time.sleep(0.1 * rank)
+
+    _median_seconds(run, None, 5, torch.device("cpu"), budget_s)
+    return len(calls)
+
+
+def test_the_ccr_budget_cuts_repetitions_alike_on_every_rank():
+    from distributed import run_ranks
+
+    assert run_ranks(_repetitions, 2, None, timeout=60) == [6, 6]  # warm-up + 5
+    assert run_ranks(_repetitions, 2, 0.25, timeout=60) == [3, 3]  # 0.25 s / ~0.1 s of rank 1's warm-up: 2
+    assert run_ranks(_repetitions, 2, 1e-6, timeout=60) == [2, 2]  # at least one

@@ -158,4 +158,5 @@ def test_optimizer_factory_rebuilds_the_jobs_optimizer_adamw_included():
         got, make = optimizer_factory(opt)
         copy = make(torch.nn.Linear(3, 2).parameters())
         assert got == family and type(copy) is type(opt)
-        assert {k: copy.defaults[k] for k in ("lr", "weight_decay")} == {k: opt.defaults[k] for k in ("lr", "weight_decay")}
+        keys = ("lr", "weight_decay")
+        assert {k: copy.defaults[k] for k in keys} == {k: opt.defaults[k] for k in keys}

@@ -72,6 +72,11 @@ class Algorithm:
         ``None`` (default) when it keeps none: the runner's own bucket sizes apply."""
         return None
 
+    def skip_start(self) -> None:
+        """Compress from the next iteration on, for a state that joins a DDP whose buckets were already
+        rebuilt (the start-up probe's copies), where the algorithm's dense start iterations exist only
+        for that rebuild. Default: keep them (COVAP records its bucket layout in them)."""
+
     def rollback(self) -> None:
         """Undo this iteration's state changes: called on every rank when the step is skipped
         (GradScaler found inf/nan, all-reduced) by runners that decide it after the algorithm ran

@@ -1,4 +1,5 @@
-"""``gradsync sweep``: predicted time to quality on several networks (steps to quality on loopback x iteration time on each network)."""
+"""``gradsync sweep``: predicted time to quality on several networks (steps to quality on loopback x
+iteration time on each network)."""
 
 from __future__ import annotations
 

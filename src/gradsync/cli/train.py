@@ -1,4 +1,5 @@
-"""``gradsync train``: data-parallel training with a gradient-synchronisation algorithm, on loopback, an emulated cluster or under torchrun."""
+"""``gradsync train``: data-parallel training with a gradient-synchronisation algorithm, on loopback,
+an emulated cluster or under torchrun."""
 
 from __future__ import annotations
 

@@ -263,4 +263,6 @@ def announce_auto(choice: AutoChoice) -> None:
         sys.stdout.flush()
 
 
-__all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto", "check_auto_options", "choose_auto", "choose_auto_on_batches", "preserved_rng", "recorded_auto_entry", "to_device"]
+__all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
+           "check_auto_options", "choose_auto", "choose_auto_on_batches", "preserved_rng", "recorded_auto_entry",
+           "to_device"]

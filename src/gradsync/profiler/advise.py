@@ -41,8 +41,8 @@ from ..validation import check_float, check_int
 from .quality_model import FITTED, QualityModel
 from .profile import ccr_at
 
-__all__ = ["Advice", "Prediction", "advise", "candidates", "is_hook", "lossy", "train_command", "worth_measuring", "CASTS", "LOSSLESS",
-           "LOW_CCR", "MIN_GAIN"]
+__all__ = ["Advice", "Prediction", "advise", "candidates", "is_hook", "lossy", "single_bucket", "train_command",
+           "worth_measuring", "CASTS", "LOSSLESS", "LOW_CCR", "MIN_GAIN"]
 
 #: Below this CCR a dense all-reduce takes less than half the backward pass, which DDP overlaps it
 #: with: only the last bucket's collective is exposed, and compression only adds work.
@@ -84,14 +84,21 @@ def lossy(entry: str) -> bool:
     return entry not in LOSSLESS
 
 
-def is_hook(entry: str, any_buckets: bool = False) -> bool:
-    """Whether ``entry``'s algorithm is a DDP communication hook (a probe or a script's DDP can run
-    it), and with ``any_buckets`` one that works on any bucket layout (not the registry's
-    ``single_bucket``, which gradsync runs on one DDP bucket: a script's DDP keeps its own buckets)."""
+def single_bucket(entry: str) -> bool:
+    """Whether gradsync runs ``entry``'s algorithm on one DDP bucket (the registry's ``single_bucket``:
+    torch's PowerSGD)."""
     from ..algorithms import REGISTRY, parse_entry
 
-    spec = REGISTRY[parse_entry(entry)[0]]
-    return spec.make_hook is not None and not (any_buckets and spec.single_bucket)
+    return REGISTRY[parse_entry(entry)[0]].single_bucket
+
+
+def is_hook(entry: str, any_buckets: bool = False) -> bool:
+    """Whether ``entry``'s algorithm is a DDP communication hook (a probe or a script's DDP can run
+    it), and with ``any_buckets`` one that works on any bucket layout (not :func:`single_bucket`:
+    a script's DDP keeps its own buckets)."""
+    from ..algorithms import REGISTRY, parse_entry
+
+    return REGISTRY[parse_entry(entry)[0]].make_hook is not None and not (any_buckets and single_bucket(entry))
 
 
 def worth_measuring(simulated: "Advice", skip: Sequence[str] = ()) -> list[str]:
@@ -107,10 +114,10 @@ def _as_run(prof: Profile, entry: str) -> Profile:
     """``prof`` as ``entry`` runs it: one bucket, ready at the end of backward, for algorithms
     gradsync runs on one DDP bucket (the registry's ``single_bucket``: PowerSGD); 2-byte elements
     for COVAP's 16-bit shards (``cast``)."""
-    from ..algorithms import REGISTRY, parse_entry
+    from ..algorithms import parse_entry
 
-    name, options = parse_entry(entry)
-    if REGISTRY[name].single_bucket and len(prof.buckets) > 1:
+    options = parse_entry(entry)[1]
+    if single_bucket(entry) and len(prof.buckets) > 1:
         shapes = [s for b in prof.buckets for s in (b.shapes or ())]
         whole = sum(math.prod(s) for s in shapes) == prof.total_numel
         bucket = ProfileBucket(0, prof.total_numel, prof.backward_s, tuple(shapes) if whole else None)

@@ -50,8 +50,7 @@ from .probe import QualityProbe, cast_errors, probe_batches, quality_proxy, time
 from .profile import ccr_at, record_profile
 
 __all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "SHORTLIST", "AutoDecision", "agreed_profile", "decide",
-           "effective_bandwidth_mbit",
-           "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
+           "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -217,11 +216,10 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
 
 
 def optimizer_factory(optimizer: Any) -> tuple[str, Callable[[Any], torch.optim.Optimizer]]:
-    """``(family, make_optimizer)`` of a job's optimizer for :func:`resolve_auto`:
-    framework wrappers (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are
-    unwrapped; ``make_optimizer(params)`` builds the same class with its ``defaults`` (those its constructor
-    takes); the family
-    is ``"adamw"`` for Adam/AdamW (the quality model's stricter limit), else ``"sgd"``.
+    """``(family, make_optimizer)`` of a job's optimizer for :func:`resolve_auto`: framework wrappers
+    (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped;
+    ``make_optimizer(params)`` builds the same class with its ``defaults`` (those its constructor
+    takes); the family is ``"adamw"`` for Adam/AdamW (the quality model's stricter limit), else ``"sgd"``.
 
     Raises:
         ValueError: if ``optimizer`` is no ``torch.optim.Optimizer`` (nor wraps one).
@@ -285,8 +283,8 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
     family, make_optimizer = optimizer_factory(optimizer)
     bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
     decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, family, "script",
-                            int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb, allowed=lambda e: is_hook(e, any_buckets=True),
-                            group=ddp.process_group)
+                            int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb,
+                            allowed=lambda e: is_hook(e, any_buckets=True), group=ddp.process_group)
     name, options = parse_entry(decision.entry)
     state, hook = build_hook(name, process_group=ddp.process_group, model=ddp.module, **options)
     ddp.register_comm_hook(state, hook)

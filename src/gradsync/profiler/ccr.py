@@ -84,22 +84,20 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
     if budget_s is not None:
         check_float("budget_s", budget_s, 0.0, 1e6, low_inclusive=False)
     clock = device_clock(device)
-    times = []
-    r = 0
-    while r <= reps:
+
+    def timed() -> float:
         clock()
         dist.barrier(group=group)
         t0 = clock()
         run()
-        t1 = clock()
-        if r:
-            times.append(t1 - t0)
-        elif budget_s is not None:
-            warm = torch.tensor([t1 - t0], dtype=torch.float64, device=device)
-            dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
-            reps = max(1, min(reps, int(budget_s / max(float(warm.item()), 1e-9))))
-        r += 1
-    return statistics.median(times)
+        return clock() - t0
+
+    warm_s = timed()
+    if budget_s is not None:
+        warm = torch.tensor([warm_s], dtype=torch.float64, device=device)
+        dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
+        reps = max(1, min(reps, int(budget_s / max(float(warm.item()), 1e-9))))
+    return statistics.median(timed() for _ in range(reps))
 
 
 def measure_ccr(

@@ -36,10 +36,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm.collectives import collective_device
 from ..validation import check_int
 from ..algorithms.meter import ProxyBucket, QualityMeter, metered_hook, relative_errors  # noqa: F401
+from .advise import single_bucket
 from .compute import device_clock
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "QualityProbe",
-           "measure_quality", "quality_proxy", "single_bucket", "time_candidates", "cast_errors", "probe_batches",
+           "measure_quality", "quality_proxy", "time_candidates", "cast_errors", "probe_batches",
            "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -65,8 +66,8 @@ class CandidateProbe:
 
 
 def _hook_pair(entry: str, model: nn.Module, make_optimizer: Any, process_group: Any, seed: int,
-               batch_size: int, steps_per_epoch: int) -> tuple[Any, Callable, bool]:
-    """``(state, hook, single_bucket)`` of a communication-hook entry, built on ``model``.
+               batch_size: int, steps_per_epoch: int) -> tuple[Any, Callable]:
+    """``(state, hook)`` of a communication-hook entry, built on ``model``.
 
     Raises:
         ValueError: for an entry that is not a communication hook.
@@ -79,8 +80,7 @@ def _hook_pair(entry: str, model: nn.Module, make_optimizer: Any, process_group:
         raise ValueError(f"entries: {entry!r} is not a communication hook; only hook algorithms are probed")
     ctx = BuildContext(model=model, make_optimizer=make_optimizer, process_group=process_group, seed=seed,
                        batch_size=batch_size, steps_per_epoch=steps_per_epoch)
-    state, hook = spec.make_hook(make_options(name, options), ctx)
-    return state, hook, spec.single_bucket
+    return spec.make_hook(make_options(name, options), ctx)
 
 
 def _ddp(model: nn.Module, process_group: Any, bucket_cap_mb: float) -> DistributedDataParallel:
@@ -113,7 +113,7 @@ QUALITY_STEPS = 8
 
 #: Start-up steps of every probe copy: DDP rebuilds its buckets after the first; the primary hook
 #: runs its own start iterations (PowerSGD's dense ``start_iter`` 2), the others start compressing
-#: after them (:func:`_past_start`).
+#: after them where they can (``skip_start``).
 START_STEPS = 2
 
 #: The share of each gradient tensor's elements the quality probe's dense reference all-reduces
@@ -134,42 +134,32 @@ def _exactness(entry: str) -> tuple[int, int]:
     return (1, int(options["matrix_approximation_rank"])) if "matrix_approximation_rank" in options else (0, 0)
 
 
-def _past_start(state: Any) -> None:
-    """Let a hook that has not run yet compress from its next step where it can (``skip_start``:
-    PowerSGD's dense start iterations exist only for DDP's bucket rebuild after the first iteration,
-    which the probe copy's :data:`START_STEPS` passed); other hooks keep their start iterations
-    (COVAP records its bucket layout in them)."""
-    skip = getattr(state, "skip_start", None)
-    if skip is not None:
-        skip()
-
-
 class _ProbeCopy:
     """A private copy of ``model`` in ``DistributedDataParallel`` whose communication hook is a
-    :class:`QualityMeter` over the entries' hooks (one bucket for ``single_bucket``), trained on the
+    :class:`QualityMeter` over the entries' hooks (one bucket for ``one_bucket``), trained on the
     job's batches; the meter's primary hook (the most exact entry) trains it. After construction it
     has run :data:`START_STEPS` steps and every hook compresses from the next step."""
 
     def __init__(self, model: nn.Module, entries: Sequence[str], batches: Sequence[Batch], loss_fn: Callable,
                  make_optimizer: Callable, bucket_cap_mb: float, process_group: Any, seed: int,
-                 steps_per_epoch: int, single_bucket: bool = False, sample_fraction: float = 1.0):
+                 steps_per_epoch: int, one_bucket: bool = False, sample_fraction: float = 1.0):
         if not batches:
             raise ValueError("batches must hold at least one (inputs, targets) batch")
         self.entries = list(entries)
         self.batches, self.loss_fn, self.process_group = batches, loss_fn, process_group
         self.local = copy.deepcopy(model)
         self._build = lambda e: _hook_pair(e, self.local, make_optimizer, process_group, seed,
-                                           int(batches[0][0].shape[0]), steps_per_epoch)[:2]
+                                           int(batches[0][0].shape[0]), steps_per_epoch)
         primary = max(range(len(self.entries)), key=lambda i: _exactness(self.entries[i]))
         self.meter = QualityMeter([self._build(e) for e in self.entries], primary=primary,
                                   process_group=process_group, sample_fraction=sample_fraction, seed=seed)
-        self.ddp = _ddp(self.local, process_group, 1e4 if single_bucket else bucket_cap_mb)
+        self.ddp = _ddp(self.local, process_group, 1e4 if one_bucket else bucket_cap_mb)
         self.ddp.register_comm_hook(self.meter, metered_hook)
         self.opt = make_optimizer(self.ddp.parameters())
         self.step = 0
         self.train(START_STEPS)
         for state, _ in self.meter.hooks:
-            _past_start(state)
+            state.skip_start()
 
     def train(self, steps: int) -> list[float]:
         """Train ``steps`` more steps; each step's seconds (a device-synchronising clock)."""
@@ -195,7 +185,7 @@ class _ProbeCopy:
         for e in entries:
             if e not in self.entries:
                 state, hook = self._build(e)
-                _past_start(state)
+                state.skip_start()
                 self.entries.append(e)
                 self.meter.hooks.append((state, hook))
         index = [self.entries.index(e) for e in entries]
@@ -281,13 +271,6 @@ def quality_proxy(entry: str) -> str:
     return f"powersgd-overlap:{rest}" if name == "powersgd" and rest else base
 
 
-def single_bucket(entry: str) -> bool:
-    """Whether gradsync runs ``entry``'s algorithm on one DDP bucket (the registry's ``single_bucket``)."""
-    from ..algorithms import REGISTRY, parse_entry
-
-    return REGISTRY[parse_entry(entry)[0]].single_bucket
-
-
 def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                     bucket_cap_mb: float, *, steps: int = 5, process_group: Any = None, seed: int = 0,
@@ -295,7 +278,7 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
     """Collective: each entry's iteration time on this network: ``steps`` timed steps per entry,
     taken in turn, on a copy of ``model`` in ``DistributedDataParallel`` (:meth:`_ProbeCopy.time`):
     the entries on DDP's buckets share one copy (``probe``'s, when given: no start steps, residuals
-    warm), those gradsync runs on one bucket (:func:`single_bucket`) another, each after
+    warm), those gradsync runs on one bucket (:func:`~gradsync.profiler.advise.single_bucket`) another, each after
     :data:`START_STEPS` start steps. The median, MAX over ranks. ``model`` is not changed.
 
     Returns:
@@ -317,7 +300,7 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
             out.update(probe.time(group, steps))
             continue
         copy_ = _ProbeCopy(model, group, batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
-                           steps_per_epoch, single_bucket=one_bucket)
+                           steps_per_epoch, one_bucket=one_bucket)
         out.update(copy_.time(group, steps))
         copy_.close()
     return {e: out[e] for e in entries}
