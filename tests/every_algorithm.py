@@ -39,3 +39,21 @@ def build_small(name: str, model: nn.Module | None = None, scaler: torch.amp.Gra
 def batches(rank: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(rank)
     return [(torch.randn(8, 20, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(n)]
+
+
+def wrapped_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, w, hook: bool) -> dict:
+    """What a ``gradsync.wrap`` job saves: a hook algorithm's model, optimizer and
+    ``ddp.gradsync_state``; an algorithm that replaces DDP its wrapper's ``state_dict()``."""
+    if hook:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "state": w.gradsync_state.state_dict()}
+    return {"wrapper": w.state_dict()}
+
+
+def load_wrapped(model: nn.Module, opt: torch.optim.Optimizer, w, hook: bool, saved: dict) -> None:
+    """Load :func:`wrapped_checkpoint`'s result into a fresh model, optimizer and wrapper."""
+    if hook:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        w.gradsync_state.load_state_dict(saved["state"])
+    else:
+        w.load_state_dict(saved["wrapper"])

@@ -559,7 +559,7 @@ def _resume_matrix_job(rank, world, device):
     import gradsync
     from gradsync.algorithms import REGISTRY
     from gradsync.algorithms.state_io import map_tree
-    from every_algorithm import OPTIONS as SMALL
+    from every_algorithm import OPTIONS as SMALL, load_wrapped, wrapped_checkpoint
 
     options = {**SMALL, "plateau_tolerance": 0.0, "check_every": 2}  # as test_resume_matrix: no timing
     gen = torch.Generator().manual_seed(rank)
@@ -590,18 +590,12 @@ def _resume_matrix_job(rank, world, device):
                 full.append(step(opt, w, hook, i))
                 if i == 2:
                     buf = io.BytesIO()
-                    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                "state": w.gradsync_state.state_dict()} if hook else {"wrapper": w.state_dict()}, buf)
+                    torch.save(wrapped_checkpoint(model, opt, w, hook), buf)
                     buf.seek(0)
                     saved = torch.load(buf, map_location="cpu", weights_only=True)
             getattr(w.gradsync_state if hook else w, "close", lambda: None)()
             model, opt, w, hook = make(name)
-            if hook:
-                model.load_state_dict(saved["model"])
-                opt.load_state_dict(saved["optimizer"])
-                w.gradsync_state.load_state_dict(saved["state"])
-            else:
-                w.load_state_dict(saved["wrapper"])
+            load_wrapped(model, opt, w, hook, saved)
             part = [step(opt, w, hook, i) for i in range(3, 6)]
             devices = set()
             map_tree(w.gradsync_state.state_dict() if hook else w.state_dict(),

@@ -132,7 +132,7 @@ def _wrap_job(rank, world, root, resume):
     import torch.nn.functional as F
 
     import gradsync
-    from every_algorithm import batches, small_model
+    from every_algorithm import batches, load_wrapped, small_model, wrapped_checkpoint
 
     data = batches(rank, STEPS)
 
@@ -143,13 +143,7 @@ def _wrap_job(rank, world, root, resume):
         hook = hasattr(w, "gradsync_state")
         path = f"{root}/{name}.rank{rank}.pt"
         if resume:
-            ck = torch.load(path, weights_only=True)
-            if hook:
-                model.load_state_dict(ck["model"])
-                opt.load_state_dict(ck["optimizer"])
-                w.gradsync_state.load_state_dict(ck["state"])
-            else:
-                w.load_state_dict(ck["wrapper"])
+            load_wrapped(model, opt, w, hook, torch.load(path, weights_only=True))
         def counters():
             stats = w.gradsync_state.stats() if hook else w.stats()
             return stats["wire_bytes"], stats["dense_wire_bytes"]
@@ -162,8 +156,7 @@ def _wrap_job(rank, world, root, resume):
             (opt if hook else w).step()
             losses.append(loss.item())
             if i + 1 == SAVE and not resume:
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                            "state": w.gradsync_state.state_dict()} if hook else {"wrapper": w.state_dict()}, path)
+                torch.save(wrapped_checkpoint(model, opt, w, hook), path)
                 since = counters()
         if not hook:
             w.flush()

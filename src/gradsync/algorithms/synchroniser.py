@@ -155,6 +155,14 @@ class _Common:
         self.step(scaler)
         return loss
 
+    def clip_grad_norm_(self, max_norm: float, scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
+        """``scaler.unscale_(optimizer)`` (with ``scaler``), then ``torch.nn.utils.clip_grad_norm_``
+        over the module's parameters: the gradients the optimizer steps with (DDP's averaged ones, or a
+        periodic algorithm's local ones). Returns the total 2-norm before clipping (0-d tensor)."""
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
     @property
     def needs_ccr(self) -> bool:
         """True when the algorithm chooses a setting from the measured CCR (COVAP's ``ratio=auto``)."""
@@ -206,14 +214,6 @@ class HookSynchroniser(_Common):
         else:
             scaler.step(self.optimizer)
             scaler.update()
-
-    def clip_grad_norm_(self, max_norm: float, scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
-        """``scaler.unscale_(optimizer)`` (with ``scaler``), then
-        ``torch.nn.utils.clip_grad_norm_`` over the module's parameters: the gradients are already
-        averaged by DDP. Returns the total 2-norm before clipping (0-d tensor)."""
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

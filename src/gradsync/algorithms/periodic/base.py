@@ -200,6 +200,9 @@ class PeriodicSynchroniser(_Common):
         name: the registered name.
         ctx: the build context (``ctx.scaler`` is not needed: the scaler is given to :meth:`step`).
         algorithm: the :class:`PeriodicAlgorithm` built on ``ctx.model``.
+
+    Clipping (the base's ``clip_grad_norm_``) acts on this rank's own gradients: local steps have no
+    averaged gradient.
     """
 
     def __init__(self, name: str, ctx: BuildContext, algorithm: PeriodicAlgorithm):
@@ -212,13 +215,6 @@ class PeriodicSynchroniser(_Common):
     def step(self, scaler: Optional[torch.amp.GradScaler] = None) -> None:
         """:meth:`PeriodicWrapper.step`."""
         self.wrapper.step(scaler)
-
-    def clip_grad_norm_(self, max_norm: float, scaler: Optional[torch.amp.GradScaler] = None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` of this rank's own gradients (unscaled first with
-        ``scaler``): there is no averaged gradient in local steps. Returns the 2-norm before clipping."""
-        if scaler is not None:
-            scaler.unscale_(self.optimizer)
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
     def zero_grad(self) -> None:
         self.wrapper.zero_grad(set_to_none=True)
