@@ -60,7 +60,8 @@ import torch
 import torch.distributed as dist
 
 from . import AUTO, PAYLOAD_FORMAT, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
-from .auto import AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, recorded_auto_entry
+from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of,
+                   recorded_auto_entry)
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
 AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume")
@@ -219,15 +220,10 @@ class HookCheckpoint:
         self.auto = auto
 
     def state_dict(self) -> dict[str, Any]:
-        if self.auto is not None:
-            return gather_hook_state(self.algorithm, self.state, auto_entry=self.auto.entry)
-        return gather_hook_state(self.algorithm, self.state)
+        return gather_hook_state(self.algorithm, self.state, auto_entry=entry_of(self.auto))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.auto is not None:
-            load_hook_state(self.algorithm, self.state, state_dict, device=self.device, auto_entry=self.auto.entry)
-        else:
-            load_hook_state(self.algorithm, self.state, state_dict, device=self.device)
+        load_hook_state(self.algorithm, self.state, state_dict, device=self.device, auto_entry=entry_of(self.auto))
 
 
 __all__ = ["AUTO_ARGUMENTS", "register_hook", "HookCheckpoint"]

@@ -51,6 +51,13 @@ class AutoChoice:
         return {"auto_choice": self.entry, "auto_reason": f"resumed from {self.source}", "auto_probe_seconds": 0.0}
 
 
+def entry_of(choice: AutoChoice | None) -> str | None:
+    """``choice.entry``, or ``None`` without a choice (a fixed algorithm): the ``auto_entry`` that
+    :func:`~gradsync.integrations.gather_hook_state` and :func:`~gradsync.integrations.load_hook_state`
+    take."""
+    return None if choice is None else choice.entry
+
+
 def check_auto_options(options: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` if algorithm options were given with ``algorithm="auto"`` (auto chooses them)."""
     if options:
@@ -264,5 +271,5 @@ def announce_auto(choice: AutoChoice) -> None:
 
 
 __all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
-           "check_auto_options", "choose_auto", "choose_auto_on_batches", "preserved_rng", "recorded_auto_entry",
-           "to_device"]
+           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "preserved_rng",
+           "recorded_auto_entry", "to_device"]

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, preserved_rng, recorded_auto_entry)
+    check_auto_options, choose_auto_on_batches, entry_of, preserved_rng, recorded_auto_entry)
 
 
 class GradsyncHook(Callback):
@@ -134,11 +134,8 @@ class GradsyncHook(Callback):
     def _apply_pending(self, trainer: pl.Trainer) -> None:
         if self._pending is not None and self._registered:
             payload, self._pending = self._pending, None
-            if self.auto is not None:
-                load_hook_state(self.algorithm, self.state, payload, device=trainer.strategy.root_device,
-                                auto_entry=self.auto.entry)
-            else:
-                load_hook_state(self.algorithm, self.state, payload, device=trainer.strategy.root_device)
+            load_hook_state(self.algorithm, self.state, payload, device=trainer.strategy.root_device,
+                            auto_entry=entry_of(self.auto))
 
     def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``"auto"``: every rank takes the choice its checkpoint recorded, or measures (a collective),
@@ -168,9 +165,7 @@ class GradsyncHook(Callback):
         ``trainer.save_checkpoint``, as Lightning requires); ``{}`` before a hook is registered."""
         if self.state is None or not self._registered:
             return {}
-        if self.auto is not None:
-            return gather_hook_state(self.algorithm, self.state, auto_entry=self.auto.entry)
-        return gather_hook_state(self.algorithm, self.state)
+        return gather_hook_state(self.algorithm, self.state, auto_entry=entry_of(self.auto))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep the checkpoint's hook state until the hook is registered (``on_fit_start``): Lightning

@@ -18,7 +18,7 @@ from ..extras import require
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, preserved_rng, recorded_auto_entry, to_device)
+    check_auto_options, choose_auto_on_batches, entry_of, preserved_rng, recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
@@ -152,10 +152,7 @@ class GradsyncCallback(TrainerCallback):
         self._ddp = module
         if self._pending is not None:
             payload, self._pending = self._pending, None
-            if self.auto is not None:
-                load_hook_state(self.algorithm, self.state, payload, device=self._device, auto_entry=self.auto.entry)
-            else:
-                load_hook_state(self.algorithm, self.state, payload, device=self._device)
+            load_hook_state(self.algorithm, self.state, payload, device=self._device, auto_entry=entry_of(self.auto))
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the first optimizer step: fail if no DDP forward registered the hook."""
@@ -183,10 +180,7 @@ class GradsyncCallback(TrainerCallback):
         on all ranks) and write it to ``output_dir/checkpoint-N/`` beside the ``Trainer``'s files."""
         if self.state is None or self._ddp is None:
             return
-        if self.auto is not None:
-            payload = gather_hook_state(self.algorithm, self.state, auto_entry=self.auto.entry)
-        else:
-            payload = gather_hook_state(self.algorithm, self.state)
+        payload = gather_hook_state(self.algorithm, self.state, auto_entry=entry_of(self.auto))
         if payload["ranks"] is not None:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
@@ -257,7 +251,8 @@ def _first_batches(train_dataloader: Any, device: torch.device) -> list[Any]:
             break
     del loader
     if not batches:
-        raise ValueError("GradsyncCallback('auto') needs at least one training batch to measure on; the loader is empty")
+        raise ValueError("GradsyncCallback('auto') needs at least one training batch to measure on; "
+                         "the loader is empty")
     return batches
 
 
