@@ -123,11 +123,130 @@ def test_period_4_ranks_differ_between_syncs_agree_after_each_and_count_the_byte
         assert all("momentum_buffer" in v for v in r["diloco"]["state"]["outer_optimizer"]["state"].values())
 
 
+# ------------------------------------------------------------------- diloco's defaults pinned bitwise
+def _reference_diloco(rank, world, steps):
+    """diloco at its default options against a plain re-implementation of DiLoCo's outer step as it was
+    before fragments and outer_dtype existed (Nesterov SGD on the mean of the flat float32 outer
+    gradients and buffers, divided by P before one all-reduce): parameters and losses must be bitwise
+    equal at every step."""
+    dp = _build("diloco", _model(norm=True), momentum=0.9, period=4)
+    model = _model(norm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    params = [p for p in model.parameters() if p.requires_grad]
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    anchor = [p.detach().clone() for p in params]
+    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
+    equal = []
+    for s in range(steps):
+        x, y = _batch(rank, s)
+        got = dp.train_step(x, y, F.cross_entropy)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if (s + 1) % 4 == 0:
+            with torch.no_grad():
+                flat = torch.cat([(a - p).reshape(-1) for a, p in zip(anchor, params)]
+                                 + [b.reshape(-1) for b in buffers])
+                flat /= world
+                dist.all_reduce(flat)
+                offset = 0
+                for a in anchor:
+                    a.grad = flat[offset:offset + a.numel()].view_as(a).clone()
+                    offset += a.numel()
+                outer.step()
+                for a, p in zip(anchor, params):
+                    p.copy_(a)
+                for b in buffers:
+                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    offset += b.numel()
+        equal.append(torch.equal(got, loss.detach()) and torch.equal(_flat(dp.module), _flat(model)))
+    dp.close()
+    return equal
+
+
+def test_diloco_defaults_equal_a_plain_reimplementation_bitwise():
+    # fragments=1, outer_dtype=fp32 must not move a bit from DiLoCo before Streaming DiLoCo was added
+    for r in run_ranks(_reference_diloco, 2, 9, timeout=120):
+        assert r == [True] * 9, r
+
+
+# ---------------------------------------------------------------------------------- Streaming DiLoCo
+def test_fragment_partition_and_schedule():
+    from gradsync.comm.fragments import fragment_at, fragment_bounds, fragment_offsets
+
+    assert fragment_bounds([640, 32, 320, 10], 1) == [(0, 4)]
+    # 1002 elements: the cut nearest 501 is after the first tensor (640), not after none (0)
+    assert fragment_bounds([640, 32, 320, 10], 2) == [(0, 1), (1, 4)]
+    assert fragment_bounds([10, 10, 10, 10], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # a huge first tensor cannot leave the others' fragments empty
+    assert fragment_bounds([1000, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    assert fragment_offsets(16, 4) == [4, 8, 12, 16]
+    assert fragment_offsets(4, 1) == [4]
+    # every fragment once per period, the last at the multiples of the period
+    assert [fragment_at(t, 4, 2) for t in range(1, 9)] == [None, 0, None, 1, None, 0, None, 1]
+    assert [fragment_at(t, 4, 1) for t in range(1, 9)] == [None, None, None, 0] * 2
+    with pytest.raises(ValueError, match="fragments"):
+        fragment_bounds([3, 4], 3)
+
+
+def _fragments(rank, world, steps, options):
+    """diloco with ``options`` on the plain MLP (4 trainable tensors, no buffers): after each step, per
+    fragment, whether the ranks hold bitwise identical parameters of it, and the wire bytes of the step."""
+    dp = _build("diloco", _model(), momentum=0.9, **options)
+    bounds = dp.algorithm.bounds
+    same, wire = [], []
+    last = 0.0
+    for s in range(steps):
+        dp.train_step(*_batch(rank, s), F.cross_entropy)
+        row = []
+        for lo, hi in bounds:
+            flat = torch.cat([p.detach().reshape(-1) for p in dp.algorithm.params[lo:hi]])
+            every = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(every, flat)
+            row.append(all(torch.equal(every[0], other) for other in every[1:]))
+        same.append(row)
+        now = dp.stats()["wire_bytes"]
+        wire.append(now - last)
+        last = now
+    out = {"same": same, "wire": wire, "bounds": bounds, "stats": dp.stats()}
+    dp.close()
+    try:  # refused before any collective: more fragments than trainable tensors (4)
+        _build("diloco", _model(), period=8, fragments=5)
+    except ValueError as exc:
+        out["too_many"] = str(exc)
+    return out
+
+
+def test_streaming_fragments_agree_after_their_own_sync_and_send_one_full_sync_per_period():
+    steps = 8
+    r0, r1 = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2}, timeout=120)
+    full = run_ranks(_fragments, 2, steps, {"period": 4}, timeout=120)[0]
+    half = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2, "outer_dtype": "fp16"}, timeout=120)[0]
+    assert r0["bounds"] == [(0, 1), (1, 4)]
+    assert r0["too_many"] == ("diloco.fragments must be an integer in [1, min(period, trainable parameter tensors) "
+                              "= 4], got 5")
+    # fragment 0 syncs after steps 2 and 6, fragment 1 after 4 and 8: a fragment's parameters agree
+    # right after its own sync (and stay different from the step after, until the next one)
+    expected = [[s % 4 == 2, s % 4 == 0] for s in range(1, steps + 1)]
+    assert r0["same"] == expected, r0["same"]
+    assert r1["same"] == r0["same"]
+    assert [w > 0 for w in r0["wire"]] == [s % 2 == 0 for s in range(1, steps + 1)]
+    # the fragments partition the parameters: one period of fragment syncs sends one full sync's bytes
+    assert sum(r0["wire"][:4]) == sum(full["wire"][:4]) == full["wire"][3] > 0
+    assert r0["stats"]["syncs"] == 4 and full["stats"]["syncs"] == 2
+    # fp16 outer gradients: half the counted bytes (no buffers in this model)
+    assert half["wire"] == [w / 2 for w in r0["wire"]]
+
+
 @pytest.mark.parametrize("name, options, match", [
     ("local-sgd", {"period": 0}, r"local-sgd\.period must be an integer in \[1, 1000000\], got 0"),
     ("diloco", {"period": 2.5}, r"diloco\.period must be an integer in \[1, 1000000\]"),
     ("diloco", {"outer_lr": 0.0}, r"diloco\.outer_lr must be in \(0\.0, 10\.0\], got 0\.0"),
     ("diloco", {"outer_momentum": 1.0}, r"diloco\.outer_momentum must be in \[0\.0, 1\.0\), got 1\.0"),
+    ("diloco", {"fragments": 0}, r"diloco\.fragments must be an integer in \[1, 1000000\], got 0"),
+    ("diloco", {"period": 4, "fragments": 5}, r"diloco\.fragments must be an integer in \[1, period=4\], got 5"),
+    ("diloco", {"outer_dtype": "fp8"}, r"diloco\.outer_dtype must be one of fp32, fp16, bf16; got 'fp8'"),
     ("local-sgd", {"outer_lr": 0.7}, r"algorithm 'local-sgd' does not take option\(s\) outer_lr; allowed: period"),
 ])
 def test_bad_options_name_the_option_and_its_range(name, options, match):
@@ -145,14 +264,15 @@ def test_both_are_registered_wrappers_not_hooks():
 
 
 # ------------------------------------------------------------------------------- gradsync train, resumed
-def _train(rank, world, root, resume):
-    """``gradsync train``'s rank function (:func:`gradsync.train.loop.run`): diloco, H = 4, 9 steps,
-    checkpoints every 3 steps; or the run resumed from its step-6 checkpoint (between the syncs at steps
-    4 and 8: every rank's own model, the synced copy and the outer momentum must come back)."""
+def _train(rank, world, root, resume, options):
+    """``gradsync train``'s rank function (:func:`gradsync.train.loop.run`): diloco with ``options`` (H =
+    4), 9 steps, checkpoints every 3 steps; or the run resumed from its step-6 checkpoint (between the
+    syncs at steps 4 and 8: every rank's own model, the synced copy and the outer momentum must come
+    back; with 2 fragments, right after fragment 0's sync and before fragment 1's)."""
     from gradsync.train.config import TrainConfig
     from gradsync.train.loop import run
 
-    cfg = TrainConfig(algorithm="diloco", options={"period": 4}, train_samples=640, batch_size=16, max_steps=9,
+    cfg = TrainConfig(algorithm="diloco", options=options, train_samples=640, batch_size=16, max_steps=9,
                       eval_samples=64, compute_steps=1, progress=False,
                       checkpoint=None if resume else f"{root}/ckpt", checkpoint_every=None if resume else 3,
                       resume=f"{root}/ckpt/step6" if resume else None)
@@ -167,11 +287,14 @@ def _train(rank, world, root, resume):
 
 @pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
-def test_gradsync_train_diloco_resumed_mid_period_repeats_steps_7_to_9(tmp_path):
-    full = run_ranks(_train, 2, str(tmp_path), False, timeout=120, pg_timeout=60)[0]
-    part = run_ranks(_train, 2, str(tmp_path), True, timeout=120, pg_timeout=60)[0]
+@pytest.mark.parametrize("options, every", [({"period": 4}, 4),
+                                            # Streaming DiLoCo with bf16 outer gradients: a sync every 2 steps
+                                            ({"period": 4, "fragments": 2, "outer_dtype": "bf16"}, 2)])
+def test_gradsync_train_diloco_resumed_mid_period_repeats_steps_7_to_9(tmp_path, options, every):
+    full = run_ranks(_train, 2, str(tmp_path), False, options, timeout=120, pg_timeout=60)[0]
+    part = run_ranks(_train, 2, str(tmp_path), True, options, timeout=120, pg_timeout=60)[0]
     assert sorted(part["losses"]) == list(range(1, 10))
     assert [part["losses"][s] for s in (7, 8, 9)] == [full["losses"][s] for s in (7, 8, 9)]
     assert part["test_loss"] == full["test_loss"]  # rank 0's model after step 9 (one sync after the resume)
-    assert [full["wire"][s] > 0 for s in range(1, 10)] == [s % 4 == 0 for s in range(1, 10)]
+    assert [full["wire"][s] > 0 for s in range(1, 10)] == [s % every == 0 for s in range(1, 10)]
     assert part["wire"][8] == full["wire"][8] > 0

@@ -6,11 +6,12 @@ One iteration (world size ``P``, ``H = period``):
 
 * forward and backward run on the bare module: no collective, no gradient reduction;
 * ``step()`` applies the job's optimizer (the *inner* optimizer) to this rank's own gradients, then
-  advances the step counter ``t``; when ``t % H == 0`` the subclass synchronises
-  (:meth:`PeriodicAlgorithm.sync`): one all-reduce of the trainable parameters (``local-sgd``) or of
-  their outer gradient (``diloco``), and of the module's floating-point buffers (BatchNorm running
-  statistics are averaged). ``t`` counts every ``step()`` call, also one a GradScaler skipped on this
-  rank, so every rank syncs at the same steps.
+  advances the step counter ``t``; when ``t % H == 0`` (:meth:`PeriodicAlgorithm.due`) the subclass
+  synchronises (:meth:`PeriodicAlgorithm.sync`): one all-reduce of the trainable parameters
+  (``local-sgd``) or of their outer gradient (``diloco``), and of the module's floating-point buffers
+  (BatchNorm running statistics are averaged); ``diloco`` with ``fragments > 1`` syncs one fragment
+  at ``fragments`` staggered steps per period instead. ``t`` counts every ``step()`` call, also one a
+  GradScaler skipped on this rank, so every rank syncs at the same steps.
 
 Bytes are counted as every algorithm's (:func:`~gradsync.algorithms.base.counter_stats`): a sync adds a
 ring all-reduce of the flat tensor, ``2 (P-1)/P x n`` bytes on the wire; the steps between add
@@ -100,11 +101,16 @@ class PeriodicAlgorithm(Algorithm):
         self.step += 1
         self.iteration = self.step
         count_dense(self, self._grad_bytes, self.world_size)
-        if self.step % self.period:
+        if not self.due(self.step):
             return False
         self.sync()
         self.syncs += 1
         return True
+
+    def due(self, step: int) -> bool:
+        """Whether the ranks synchronise after inner step ``step`` (counted from 1): ``step % period ==
+        0`` (a pure function of the step counter, the same on every rank)."""
+        return step % self.period == 0
 
     def sync(self) -> None:
         """Synchronise the ranks (collective, every rank at the same step); subclasses define it."""
