@@ -18,6 +18,7 @@ from gradsync.sim import (
     DensePlan,
     FP16Plan,
     Network,
+    PeriodicPlan,
     PowerSGDPlan,
     TopKPlan,
     allgather_time,
@@ -252,6 +253,26 @@ def test_dear_forward_overlap_single_bucket():
         simulate(prof, "dense", 2, Network(1.0)).iteration_s
 
 
+def test_periodic_plan_mean_iteration_is_compute_plus_one_allreduce_per_period():
+    # buckets ready during backward: a per-step all-reduce would overlap, the periodic sync must not
+    prof = synthetic_profile([300_000, 50_000, 2_000_000, 80_000, 700_000], 0.01, 0.05, 0.002,
+                             ready_s=[0.01, 0.02, 0.03, 0.035, 0.04])
+    n = prof.total_numel
+    for plan, net in ((PeriodicPlan(16), NET), (PeriodicPlan(4), NET),
+                      (PeriodicPlan(16, fragments=4), Network(1.0)),  # no latency: F fragments = one sync
+                      (PeriodicPlan(16, fragments=4, bytes_per_element=2), Network(1.0))):
+        r = simulate(prof, plan, 8, net)
+        one_sync = allreduce_time(n * plan.bytes_per_element, 8, net)
+        assert r.iteration_s == pytest.approx(prof.compute_s + one_sync / plan.period, rel=0.01), plan.name
+        assert r.payload_bytes == pytest.approx(n * plan.bytes_per_element / plan.period, rel=1e-12)
+        assert r.exposed_comm_s == pytest.approx(one_sync / plan.period, rel=0.01)
+    # one fragment per sync step, H/F steps apart; nothing at the other steps
+    sent = [sum(s.nbytes for bp in PeriodicPlan(8, fragments=4).bucket_plans(prof, 2, t) for s in bp.steps)
+            for t in range(8)]
+    assert [b > 0 for b in sent] == [False, True] * 4 and sum(sent) == 4 * n
+    assert make_plan("periodic:64").period == 64 and make_plan("periodic").period == 16
+
+
 def test_make_plan_specs():
     assert make_plan("dense").name == "dense"
     assert make_plan("allreduce").name == "dense"
@@ -273,6 +294,9 @@ def test_make_plan_specs():
     lambda: TopKPlan(1.5),
     lambda: PowerSGDPlan(0),
     lambda: FP16Plan(-1.0),
+    lambda: PeriodicPlan(0),
+    lambda: PeriodicPlan(4, fragments=5),
+    lambda: PeriodicPlan(4, bytes_per_element=0),
     lambda: CovapPlan.build([], 2),
     lambda: simulate(synthetic_profile([10], 0, 1), "dense", 0, NET),
     lambda: simulate(synthetic_profile([10], 0, 1), "dense", 2, 1.0),

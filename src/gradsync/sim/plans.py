@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gradsync.comm.fragments import fragment_at
 from gradsync.compressors.covap_shards import MAX_RATIO, CovapPlan
 from gradsync.compressors.lowrank import compressed_matrix
 from gradsync.sim.costmodel import COLLECTIVES
@@ -29,6 +30,7 @@ __all__ = [
     "DeARPlan",
     "DensePlan",
     "FP16Plan",
+    "PeriodicPlan",
     "PowerSGDPlan",
     "TopKPlan",
     "make_plan",
@@ -36,7 +38,7 @@ __all__ = [
 
 
 #: When a :class:`CommStep` is launched.
-PHASES = ("backward", "forward", "next_hook")
+PHASES = ("backward", "forward", "next_hook", "after_step")
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,10 @@ class CommStep:
     is ready, overlapped with backward), ``"forward"`` (must finish before the bucket's layers run
     in the next forward pass, e.g. DeAR's all-gather) or ``"next_hook"`` (launched by the next
     bucket's hook, the last bucket's by its own, after that hook waited for this bucket's
-    ``"backward"`` collectives to finish, stalling backward meanwhile: powersgd-overlap's Q after P)."""
+    ``"backward"`` collectives to finish, stalling backward meanwhile: powersgd-overlap's Q after P)
+    or ``"after_step"`` (launched after the optimizer step, once every backward-phase collective has
+    finished, and waited for before the next iteration: nothing overlaps it; the periodic algorithms'
+    syncs)."""
 
     kind: str
     nbytes: float
@@ -282,6 +287,50 @@ class DeARPlan(AlgorithmPlan):
         return out
 
 
+class PeriodicPlan(AlgorithmPlan):
+    """``local-sgd`` and ``diloco`` (Lin et al., ICLR 2020; Douillard et al., arXiv 2311.08105), with
+    Streaming DiLoCo's fragments (arXiv 2501.18512, Sec. 2.2): no collective during backward; after
+    the optimizer step of every ``period``-th step one all-reduce of all the gradient elements of the
+    profile (the trainable parameters, or their outer gradient), phase ``"after_step"``: not overlapped
+    with compute. With ``fragments = F`` fragment ``f`` is all-reduced after the steps
+    :func:`gradsync.comm.fragments.fragment_at` gives (the algorithm's own schedule), ``F`` syncs per
+    period; the simulator's fragments are equal element counts (``(f+1) N // F - f N // F``, where the
+    algorithm cuts between whole tensors; the profile need not record the shapes). Floating buffers
+    (BatchNorm statistics) are not in the profile and not simulated.
+
+    The mean iteration over the period is ``compute + allreduce(N x bytes_per_element) / period``
+    (with ``F > 1`` plus ``F - 1`` all-reduce latencies per period). Compute overheads (the outer
+    optimizer step, the casts) are not charged. ``period`` is the plan's period (:func:`simulate`
+    averages steps ``0 .. period-1``, step ``s`` being the algorithm's inner step ``s + 1``).
+
+    Args:
+        period: ``H >= 1`` inner steps per sync (per fragment).
+        fragments: ``F`` in ``[1, period]``.
+        bytes_per_element: bytes per element on the wire, > 0: 4 for float32, 2 for diloco's
+            ``outer_dtype`` fp16 or bf16.
+
+    Raises:
+        ValueError: naming the argument and its range.
+    """
+
+    def __init__(self, period: int, fragments: int = 1, bytes_per_element: float = 4) -> None:
+        self.period = check_int("period", period, 1)
+        self.fragments = check_int("fragments", fragments, 1, self.period)
+        self.bytes_per_element = check_float("bytes_per_element", bytes_per_element, 0.0, low_inclusive=False)
+        extra = "" if self.fragments == 1 else f", F={self.fragments}"
+        extra += "" if self.bytes_per_element == 4 else f", {self.bytes_per_element:g} B"
+        self.name = f"periodic(H={self.period}{extra})"
+
+    def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
+        plans = [BucketPlan() for _ in profile.buckets]
+        f = fragment_at(step + 1, self.period, self.fragments)
+        if f is not None:
+            n, k = profile.total_numel, self.fragments
+            elements = (f + 1) * n // k - f * n // k
+            plans[-1] = BucketPlan((CommStep("allreduce", elements * self.bytes_per_element, "after_step"),))
+        return plans
+
+
 #: Plan constructors by name, for :func:`make_plan`.
 PLANS = {
     "dense": DensePlan,
@@ -291,13 +340,14 @@ PLANS = {
     "topk": TopKPlan,
     "powersgd": PowerSGDPlan,
     "dear": DeARPlan,
+    "periodic": PeriodicPlan,
 }
 
 
 def make_plan(spec: str) -> AlgorithmPlan:
     """Build a plan from ``"name"`` or ``"name:param"``: ``dense`` (alias ``allreduce``), ``fp16``,
     ``covap:K`` (default K=3, the COVAP code's default), ``topk:density`` (default 0.01),
-    ``powersgd:rank`` (default 4), ``dear``.
+    ``powersgd:rank`` (default 4), ``dear``, ``periodic:period`` (default 16; local-sgd, diloco).
 
     Raises:
         ValueError: for an unknown name or a bad parameter.
@@ -314,6 +364,8 @@ def make_plan(spec: str) -> AlgorithmPlan:
         return TopKPlan(_num(param, "density") if param else 0.01)
     if name == "powersgd":
         return PowerSGDPlan(check_int("rank", _num(param, "rank"), 1) if param else 4)
+    if name == "periodic":
+        return PeriodicPlan(check_int("period", _num(param, "period"), 1) if param else 16)
     if param:
         raise ValueError(f"algorithm {name!r} takes no parameter, got {param!r}")
     return PLANS[name]()
