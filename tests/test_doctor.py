@@ -11,7 +11,8 @@ import torch
 from gradsync.bench.config import parse_entry
 from gradsync.algorithms import split_dense_tail
 from gradsync.cli import main
-from gradsync.profiler.advise import LOW_CCR, MIN_GAIN, advise, candidates, lossy, train_command
+from gradsync.profiler.advise import (LOW_CCR, MIN_GAIN, PERIODIC_COST, advise, candidates, lossy,
+                                      periodic_predictions, train_command)
 from gradsync.profiler.profile import model_for_profile
 from gradsync.sim import synthetic_profile
 
@@ -79,6 +80,28 @@ def test_candidates_and_the_grids_rows_are_valid_settings():
         assert split_dense_tail(row["entry"])[0] in ENTRIES
 
 
+def test_periodic_settings_are_predicted_but_never_ranked():
+    from gradsync.algorithms import make_options
+    from gradsync.sim import Network, allreduce_time
+
+    # auto and advise rank candidates() only: no local-sgd or diloco among them, whatever was measured
+    for a in (advise(PROFILE, 2, 20), advise(PROFILE, 2, 20, errors=ERRORS)):
+        assert not any(r.entry.startswith(("local-sgd", "diloco")) for r in a.predictions)
+    rows = periodic_predictions(PROFILE, 2, 20)
+    assert [r.entry for r in rows] == ["local-sgd:period=4", "local-sgd:period=16", "local-sgd:period=64",
+                                       "diloco:period=4", "diloco:period=16", "diloco:period=64",
+                                       "diloco:period=16:fragments=4"]
+    one_sync = allreduce_time(PROFILE.total_numel * 4, 2, Network.from_mbit(20))
+    ddp = advise(PROFILE, 2, 20).predictions
+    ddp_s = next(r.iteration_s for r in ddp if r.entry == "allreduce")
+    for r in rows:
+        period = make_options(*parse_entry(r.entry)).period  # a valid entry (fragments <= period)
+        assert r.iteration_s == pytest.approx(PROFILE.compute_s + one_sync / period, rel=0.01), r.entry
+        assert r.speedup == pytest.approx(ddp_s / r.iteration_s)
+        assert not r.measured and r.cost == PERIODIC_COST and r.time_to_quality_s is None
+        assert train_command(r.entry).startswith(f"gradsync train --algorithm {parse_entry(r.entry)[0]} --period")
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         advise(PROFILE, 1, 100)
@@ -129,6 +152,8 @@ def test_cli_fashion_mnist(tmp_path, capsys):
             "bucket_cap_mb", "errors"} <= set(d) and d["quality_ranks"] == 2
     assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
     assert d["ccr"] > 0 and {p["entry"] for p in d["predictions"]} == set(ENTRIES)
+    assert len(d["periodic"]) == 7 and "DiLoCo" in text and all(p["cost"] == PERIODIC_COST
+                                                                    for p in d["periodic"])
     # every lossy hook the simulator gives a chance was measured on this model: errors in [0, 2), the
     # casts near 0, PowerSGD's error falling with its rank
     assert d["errors"] and all(0 <= e < 2 for e in d["errors"].values())

@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     """Measure the model here, simulate every candidate on the given network and recommend one
     (:func:`gradsync.profiler.advise.advise`)."""
+    import dataclasses
     import json
 
     from rich.console import Console
@@ -35,7 +36,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     import time
 
-    from ..profiler.advise import advise, train_command, worth_measuring
+    from ..profiler.advise import advise, periodic_predictions, train_command, worth_measuring
     from ..profiler.probe import measure_quality_on_loopback
     from ..validation import check_float, check_int
 
@@ -75,6 +76,11 @@ def _doctor(args: argparse.Namespace) -> int:
                else f"{ddp.time_to_quality_s / r.time_to_quality_s:.2f}x")
         table.add_row(("-> " if r is advice.choice else "") + r.label, f"{r.iteration_s * 1e3:.1f}",
                       f"{r.speedup:.2f}x", r.cost, ttq, style="bold" if r is advice.choice else None)
+    # local-sgd and diloco: shown with their predicted iteration, never ranked (their extra steps are unknown)
+    periodic = periodic_predictions(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
+    table.add_section()
+    for r in periodic:
+        table.add_row(r.label, f"{r.iteration_s * 1e3:.1f}", f"{r.speedup:.2f}x", r.cost, "?")
     console = Console()
     console.print(table)
     console.print(f"[bold]Recommendation:[/bold] {advice.choice.label}: {command}")
@@ -84,7 +90,8 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
                "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
-               "errors": errors, "quality_ranks": quality_ranks, "command": command}
+               "errors": errors, "quality_ranks": quality_ranks, "command": command,
+               "periodic": [dataclasses.asdict(r) for r in periodic]}
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
         print(f"wrote {args.json}")

@@ -35,14 +35,16 @@ from typing import Any
 from ..comm.buckets import bucket_overlap_warning
 from ..sim.costmodel import Network
 from ..sim.engine import simulate
-from ..sim.plans import AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16Plan, PowerSGDPlan, TopKPlan
+from ..sim.plans import (AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16Plan, PeriodicPlan, PowerSGDPlan,
+                         TopKPlan)
 from ..sim.profile import Profile, ProfileBucket, load_profile
 from ..validation import check_float, check_int
 from .quality_model import FITTED, QualityModel
 from .profile import ccr_at
 
-__all__ = ["Advice", "Prediction", "advise", "candidates", "is_hook", "lossy", "single_bucket", "train_command",
-           "worth_measuring", "CASTS", "LOSSLESS", "LOW_CCR", "MIN_GAIN"]
+__all__ = ["Advice", "Prediction", "advise", "candidates", "is_hook", "lossy", "periodic_candidates",
+           "periodic_predictions", "single_bucket", "train_command", "worth_measuring", "CASTS", "LOSSLESS", "LOW_CCR",
+           "MIN_GAIN", "PERIODIC_COST"]
 
 #: Below this CCR a dense all-reduce takes less than half the backward pass, which DDP overlaps it
 #: with: only the last bucket's collective is exposed, and compression only adds work.
@@ -70,6 +72,46 @@ def candidates() -> list[tuple[str, str, AlgorithmPlan]]:
         ("dear", "DeAR", DeARPlan()),
         ("topk:density=0.01", "top-k density 0.01", TopKPlan(0.01)),
     ]
+
+
+#: What ``gradsync doctor`` says of the periodic algorithms' accuracy cost.
+PERIODIC_COST = "extra steps not measured (see the grid in docs/results.md)"
+
+
+def periodic_candidates() -> list[tuple[str, str, AlgorithmPlan]]:
+    """``local-sgd`` and ``diloco`` settings ``gradsync doctor`` shows below its ranking: ``(entry,
+    label, plan)`` as :func:`candidates`, the plan a :class:`~gradsync.sim.plans.PeriodicPlan`. Not in
+    :func:`candidates`, so neither :func:`advise` nor ``--algorithm auto`` ranks or chooses them: their
+    accuracy cost is the extra steps of rare syncs, which the probe (DDP communication hooks on one
+    iteration's gradients) cannot measure."""
+    return [
+        *[(f"local-sgd:period={h}", f"local SGD H={h}", PeriodicPlan(h)) for h in (4, 16, 64)],
+        *[(f"diloco:period={h}", f"DiLoCo H={h}", PeriodicPlan(h)) for h in (4, 16, 64)],
+        ("diloco:period=16:fragments=4", "Streaming DiLoCo H=16, 4 fragments", PeriodicPlan(16, fragments=4)),
+    ]
+
+
+def periodic_predictions(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
+                         latency_s: float = 0.0, overlap_efficiency: float = 1.0) -> tuple[Prediction, ...]:
+    """The simulated iteration of every :func:`periodic_candidates` setting (seconds, the mean over its
+    period: compute + one all-reduce of the float32 parameters per period, not overlapped) and its
+    speed-up over DDP's simulated iteration; ``extra_steps`` ``None`` and ``cost``
+    :data:`PERIODIC_COST` (never measured here).
+
+    Raises:
+        ValueError: as :func:`advise` for the profile, ``world_size``, ``bandwidth_mbit``, ``latency_s``
+            and ``overlap_efficiency``.
+    """
+    prof = load_profile(profile)
+    world_size = check_int("world_size", world_size, 2)
+    bandwidth_mbit = check_float("bandwidth_mbit", bandwidth_mbit, 0.0, 1e9, low_inclusive=False)
+    net = Network.from_mbit(bandwidth_mbit, latency_s)
+    dense = simulate(prof, DensePlan(), world_size, net, overlap_efficiency).iteration_s
+    out = []
+    for entry, label, plan in periodic_candidates():
+        t = simulate(prof, plan, world_size, net, overlap_efficiency).iteration_s
+        out.append(Prediction(entry, label, t, dense / t, None, PERIODIC_COST, None, None))
+    return tuple(out)
 
 
 #: Settings whose arithmetic equals dense all-reduce's, with the reason.
