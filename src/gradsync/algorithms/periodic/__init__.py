@@ -6,8 +6,10 @@ byte counters, :class:`~gradsync.algorithms.periodic.base.PeriodicWrapper`, whic
 :func:`gradsync.wrap` returns, and the Synchroniser ``gradsync train`` and ``bench`` drive);
 :mod:`.local_sgd` averages the parameters (Lin et al., ICLR 2020, with torch's ``average_parameters``);
 :mod:`.diloco` takes an outer Nesterov step on the averaged parameter deltas (Douillard et al., arXiv
-2311.08105). Between syncs no collective runs and each rank's model is its own; the ranks agree
-again right after each sync.
+2311.08105), optionally by fragments synced at staggered steps (Streaming DiLoCo, arXiv 2501.18512) and
+with 16-bit outer gradients on the wire. Between syncs no collective runs and each rank's model is its
+own; the ranks agree again right after each sync (with fragments: a fragment's parameters right after
+that fragment's sync).
 """
 
 from .base import PeriodicAlgorithm, PeriodicSynchroniser, PeriodicWrapper
