@@ -223,6 +223,7 @@ def test_streaming_fragments_agree_after_their_own_sync_and_send_one_full_sync_p
     r0, r1 = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2}, timeout=120)
     full = run_ranks(_fragments, 2, steps, {"period": 4}, timeout=120)[0]
     half = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2, "outer_dtype": "fp16"}, timeout=120)[0]
+    late = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2, "overlap": 1}, timeout=120)[0]
     assert r0["bounds"] == [(0, 1), (1, 4)]
     assert r0["too_many"] == ("diloco.fragments must be an integer in [1, min(period, trainable parameter tensors) "
                               "= 4], got 5")
@@ -237,6 +238,9 @@ def test_streaming_fragments_agree_after_their_own_sync_and_send_one_full_sync_p
     assert r0["stats"]["syncs"] == 4 and full["stats"]["syncs"] == 2
     # fp16 outer gradients: half the counted bytes (no buffers in this model)
     assert half["wire"] == [w / 2 for w in r0["wire"]]
+    # overlap 1: issued (and counted) at the same steps, applied one step later: the ranks agree then
+    assert late["wire"] == r0["wire"]
+    assert late["same"] == [[s % 4 == 3, s % 4 == 1 and s > 1] for s in range(1, steps + 1)], late["same"]
 
 
 @pytest.mark.parametrize("name, options, match", [
@@ -247,6 +251,9 @@ def test_streaming_fragments_agree_after_their_own_sync_and_send_one_full_sync_p
     ("diloco", {"fragments": 0}, r"diloco\.fragments must be an integer in \[1, 1000000\], got 0"),
     ("diloco", {"period": 4, "fragments": 5}, r"diloco\.fragments must be an integer in \[1, period=4\], got 5"),
     ("diloco", {"outer_dtype": "fp8"}, r"diloco\.outer_dtype must be one of fp32, fp16, bf16; got 'fp8'"),
+    ("diloco", {"period": 4, "fragments": 2, "overlap": 2},
+     r"diloco\.overlap must be an integer in \[0, period // fragments - 1 = 1\], got 2"),
+    ("diloco", {"overlap_mix": 1.5}, r"diloco\.overlap_mix must be in \[0\.0, 1\.0\], got 1\.5"),
     ("local-sgd", {"outer_lr": 0.7}, r"algorithm 'local-sgd' does not take option\(s\) outer_lr; allowed: period"),
 ])
 def test_bad_options_name_the_option_and_its_range(name, options, match):
@@ -288,8 +295,11 @@ def _train(rank, world, root, resume, options):
 @pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 @pytest.mark.parametrize("options, every", [({"period": 4}, 4),
-                                            # Streaming DiLoCo with bf16 outer gradients: a sync every 2 steps
-                                            ({"period": 4, "fragments": 2, "outer_dtype": "bf16"}, 2)])
+                                            # Streaming DiLoCo with bf16 outer gradients, each fragment's
+                                            # all-reduce applied a step late: a sync issued every 2 steps, one
+                                            # in flight at the step-6 checkpoint
+                                            ({"period": 4, "fragments": 2, "outer_dtype": "bf16", "overlap": 1},
+                                             2)])
 def test_gradsync_train_diloco_resumed_mid_period_repeats_steps_7_to_9(tmp_path, options, every):
     full = run_ranks(_train, 2, str(tmp_path), False, options, timeout=120, pg_timeout=60)[0]
     part = run_ranks(_train, 2, str(tmp_path), True, options, timeout=120, pg_timeout=60)[0]

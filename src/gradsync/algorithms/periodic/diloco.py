@@ -31,10 +31,17 @@ outer step above restricted to it: one all-reduce of its outer gradient, the out
 its slice of the synced copy only (its momentum buffers only: the other fragments' copies have no
 ``.grad``, which torch's SGD skips), its parameters set to its updated copy; the other fragments keep
 training locally. The floating buffers are averaged with the last fragment (at the multiples of
-``H``). Whether a step syncs and which fragment is decided from the step counter alone. Not done: the
-paper's overlap of a fragment's all-reduce with the next ``tau`` inner steps and its mixing factor
-``alpha`` (Sec. 2.3): here the all-reduce blocks (``tau = 0``, the fragment's parameters replaced by
-the synced copy, ``alpha = 0``).
+``H``). Whether a step syncs and which fragment is decided from the step counter alone.
+
+Overlap (the paper's Sec. 2.3, ``overlap = tau >= 1``): the sync's all-reduce is issued asynchronously
+(``async_op=True``) after the inner step ``t`` with the outer gradient of that moment, training goes on,
+and after inner step ``t + tau`` the training thread waits for it (``work.wait()``, never a ``.then``
+callback, which Gloo runs on its own thread) and takes the outer step; the fragment's parameters then
+become ``alpha x local + (1 - alpha) x synced copy`` (``overlap_mix = alpha``; 0, the default: the
+synced copy, discarding the fragment's last ``tau`` local steps). ``tau <= H // F - 1``, so an
+all-reduce is applied before the next one is issued. A checkpoint taken with one in flight waits for it
+and saves its averaged tensors (``"pending"``), so a resumed run applies the same outer step at the same
+step. ``overlap = 0`` (default): the all-reduce blocks and the outer step follows at once.
 
 16-bit outer gradients on the wire (``outer_dtype`` ``"fp16"`` or ``"bf16"``; the paper's Sec. 2.4
 quantises them further, to 4-bit floats, which is not done here): the outer gradient, already divided
@@ -51,7 +58,7 @@ synced copy and the outer momentum of the fragment stay, every rank's parameters
 back to its synced copy, the buffers stay local, and ``outer_steps_skipped`` counts it (the decision
 is on the all-reduced tensor, the same on every rank).
 
-Not done yet: torchft's DiLoCo as a measured peer, the overlap above (Sec. 2.3), the grid of issue 33.
+Not done yet: torchft's DiLoCo as a measured peer, 4-bit outer gradients (Sec. 2.4), the grid of issue 33.
 """
 
 from __future__ import annotations
@@ -93,10 +100,20 @@ class DiLoCoOptions(Options):
     outer_dtype: str = option("fp32", "dtype of DiLoCo's outer gradient on the wire (fp16, bf16: cast after dividing "
                               "by the world size, half the bytes; fp32: no cast)", choices=OUTER_DTYPES)
 
+    overlap: int = option(0, "Streaming DiLoCo's tau (arXiv 2501.18512 Sec. 2.3): inner steps a fragment's "
+                          "all-reduce runs behind training before its outer step is applied (0: blocking; at most "
+                          "period // fragments - 1)", low=0, high=MAX_PERIOD, units="steps")
+    overlap_mix: float = option(0.0, "Streaming DiLoCo's alpha, with overlap: a fragment's parameters become "
+                                "alpha x local + (1 - alpha) x synced copy (0: the synced copy)", low=0.0, high=1.0)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.fragments > self.period:
             raise ValueError(f"diloco.fragments must be an integer in [1, period={self.period}], got {self.fragments}")
+        lag = self.period // self.fragments - 1
+        if self.overlap > lag:
+            raise ValueError(f"diloco.overlap must be an integer in [0, period // fragments - 1 = {lag}], "
+                             f"got {self.overlap}")
 
 
 class DiLoCo(PeriodicAlgorithm):
@@ -114,6 +131,11 @@ class DiLoCo(PeriodicAlgorithm):
             (1: the whole model at every multiple of ``period``).
         outer_dtype: ``"fp32"`` (no cast), ``"fp16"`` or ``"bf16"``: the outer gradient's dtype on
             the wire.
+        overlap: Streaming DiLoCo's ``tau``, an integer in ``[0, period // fragments - 1]``: inner steps
+            between a sync's (asynchronous) all-reduce and its outer step (0: blocking, at once).
+        overlap_mix: Streaming DiLoCo's ``alpha`` in ``[0, 1]``, used with ``overlap > 0``: the
+            fragment's parameters become ``alpha x local + (1 - alpha) x synced copy`` (0: the synced
+            copy, bitwise identical on every rank).
 
     Attributes:
         anchor: the synced copy ``theta^(t-H)``: one tensor per trainable parameter (same shape,
@@ -124,23 +146,32 @@ class DiLoCo(PeriodicAlgorithm):
             gradient.
 
     Raises:
-        ValueError: if ``period`` is not an integer >= 1, ``fragments`` is not in the range above, or
-            ``outer_dtype`` is not one of fp32, fp16, bf16 (the options dataclass checks the ranges
-            first).
+        ValueError: if ``period`` is not an integer >= 1, ``fragments`` or ``overlap`` or
+            ``overlap_mix`` is not in the range above, or ``outer_dtype`` is not one of fp32, fp16, bf16
+            (the options dataclass checks the ranges first).
     """
 
     def __init__(self, module: nn.Module, period: int, outer_lr: float, outer_momentum: float,
-                 process_group: Any = None, fragments: int = 1, outer_dtype: str = "fp32"):
+                 process_group: Any = None, fragments: int = 1, outer_dtype: str = "fp32", overlap: int = 0,
+                 overlap_mix: float = 0.0):
         super().__init__(module, period, process_group)
         most = min(self.period, len(self.params))
         if isinstance(fragments, bool) or int(fragments) != fragments or not 1 <= fragments <= most:
             raise ValueError(f"diloco.fragments must be an integer in [1, min(period, trainable parameter tensors) "
                              f"= {most}], got {fragments!r}")
+        lag = self.period // int(fragments) - 1
+        if isinstance(overlap, bool) or int(overlap) != overlap or not 0 <= overlap <= lag:
+            raise ValueError(f"diloco.overlap must be an integer in [0, period // fragments - 1 = {lag}], "
+                             f"got {overlap!r}")
+        if not 0.0 <= overlap_mix <= 1.0:
+            raise ValueError(f"diloco.overlap_mix must be in [0.0, 1.0], got {overlap_mix!r}")
         if outer_dtype not in WIRE_DTYPES:
             raise ValueError(f"diloco.outer_dtype must be one of {', '.join(OUTER_DTYPES)}; got {outer_dtype!r}")
         broadcast_module(module, process_group)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.fragments, self.outer_dtype = int(fragments), outer_dtype
+        self.overlap, self.overlap_mix = int(overlap), float(overlap_mix)
+        self._pending: Optional[dict[str, Any]] = None  # an overlapped sync in flight
         self._wire_dtype = WIRE_DTYPES[outer_dtype]
         self.bounds = fragment_bounds([p.numel() for p in self.params], self.fragments)
         self.anchor = [p.detach().clone() for p in self.params]
@@ -161,36 +192,75 @@ class DiLoCo(PeriodicAlgorithm):
         ``fragments = 1``: ``step % period == 0``)."""
         return fragment_at(step, self.period, self.fragments) is not None
 
-    def _all_reduce_mean(self, parts: list[torch.Tensor], wire_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    def _all_reduce_mean(self, parts: list[torch.Tensor], wire_dtype: Optional[torch.dtype],
+                         works: list[Any]) -> torch.Tensor:
         """Concatenate ``parts`` (flat, :attr:`dtype`), divide by ``P``, cast to ``wire_dtype`` (``None``:
-        no cast), all-reduce (sum) and count it; the mean on every rank, in ``wire_dtype``."""
+        no cast), all-reduce (sum) and count it; the mean on every rank, in ``wire_dtype`` (with
+        ``overlap > 0`` once the work appended to ``works`` is waited for)."""
         flat = torch.cat(parts)
         flat /= self.world_size
         if wire_dtype is not None:
             flat = flat.to(wire_dtype)
-        dist.all_reduce(flat, group=self.process_group)
+        work = dist.all_reduce(flat, group=self.process_group, async_op=self.overlap > 0)
+        if work is not None:
+            works.append(work)
         self.count_allreduce(flat)
         return flat
 
     @torch.no_grad()
     def sync(self) -> None:
-        """One outer step of the fragment due at :attr:`step` (all of the model when ``fragments = 1``):
+        """The sync of the fragment due at :attr:`step` (all of the model when ``fragments = 1``):
         all-reduce (mean) of its outer gradient (in :attr:`dtype`, or cast to 16 bits) and, with the
         last fragment, of the floating buffers (in the same all-reduce with ``outer_dtype="fp32"``, in a
-        second one in :attr:`dtype` otherwise); the outer optimizer's step on its slice of
-        :attr:`anchor`; its parameters set to it; the buffers set to their average."""
+        second one in :attr:`dtype` otherwise); then, at once (``overlap = 0``) or ``overlap`` inner
+        steps later (:meth:`after_inner_step`), :meth:`_outer_step`."""
         f = fragment_at(self.step, self.period, self.fragments)
+        lo, hi = self.bounds[f]
+        parts = [(a - p).reshape(-1).to(self.dtype) for a, p in zip(self.anchor[lo:hi], self.params[lo:hi])]
+        buffer_parts = [b.reshape(-1).to(self.dtype) for b in self.buffers] if f == self.fragments - 1 else []
+        works: list[Any] = []
+        if self.wire_dtype is None:  # one all-reduce, as DiLoCo without fragments always did
+            averaged = [self._all_reduce_mean(parts + buffer_parts, None, works)]
+        else:
+            averaged = [self._all_reduce_mean(parts, self.wire_dtype, works)]
+            if buffer_parts:
+                averaged.append(self._all_reduce_mean(buffer_parts, None, works))
+        if self.overlap == 0:
+            self._outer_step(f, averaged)
+        else:  # waited for and applied `overlap` steps later, on the training thread (no Gloo callback)
+            self._pending = {"fragment": f, "apply_step": self.step + self.overlap, "averaged": averaged,
+                             "works": works}
+
+    def after_inner_step(self) -> bool:
+        """:meth:`PeriodicAlgorithm.after_inner_step` (a fragment's all-reduce issued at its steps); with
+        ``overlap > 0`` also, at the step ``overlap`` steps after an all-reduce was issued, its wait
+        and its outer step. Returns whether this step issued a sync."""
+        synced = super().after_inner_step()
+        pending = self._pending
+        if pending is not None and pending["apply_step"] == self.step:
+            self._wait()
+            self._pending = None
+            with torch.no_grad():
+                self._outer_step(pending["fragment"], pending["averaged"])
+        return synced
+
+    def _wait(self) -> None:
+        """Wait for the in-flight all-reduce(s) of an overlapped sync (nothing if none)."""
+        if self._pending is not None:
+            for work in self._pending["works"]:
+                work.wait()
+            self._pending["works"] = []
+
+    def _outer_step(self, f: int, averaged: list[torch.Tensor]) -> None:
+        """Fragment ``f``'s outer step from its averaged outer gradient (``averaged[0]``, the buffers'
+        mean after it or in ``averaged[1]``): the outer optimizer's step on its slice of :attr:`anchor`,
+        its parameters set to it (with ``overlap > 0``: to ``overlap_mix x local + (1 - overlap_mix) x
+        synced copy``), the buffers to their mean; nothing but the parameters reset to the synced copy
+        when the mean is not finite."""
         lo, hi = self.bounds[f]
         anchor, params = self.anchor[lo:hi], self.params[lo:hi]
         buffers = self.buffers if f == self.fragments - 1 else []
-        parts = [(a - p).reshape(-1).to(self.dtype) for a, p in zip(anchor, params)]
-        buffer_parts = [b.reshape(-1).to(self.dtype) for b in buffers]
-        if self.wire_dtype is None:  # one all-reduce, as DiLoCo without fragments always did
-            flat = self._all_reduce_mean(parts + buffer_parts, None)
-            averaged = [flat]
-        else:
-            flat = self._all_reduce_mean(parts, self.wire_dtype)
-            averaged = [flat] + ([self._all_reduce_mean(buffer_parts, None)] if buffer_parts else [])
+        flat = averaged[0]
         if not all(bool(torch.isfinite(t).all()) for t in averaged):
             self.outer_steps_skipped += 1
             for a, p in zip(anchor, params):
@@ -203,12 +273,19 @@ class DiLoCo(PeriodicAlgorithm):
         self.outer_optimizer.step()
         for a, p in zip(anchor, params):
             a.grad = None
-            p.copy_(a)
+            if self.overlap_mix == 0.0:
+                p.copy_(a)
+            else:
+                p.copy_(torch.lerp(a, p, self.overlap_mix))
         if len(averaged) == 2:
             flat, offset = averaged[1], 0
         for b in buffers:
             b.copy_(flat[offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+
+    def close(self) -> None:
+        """Wait for an overlapped sync's all-reduce still in flight (it is not applied)."""
+        self._wait()
 
     def stats(self) -> dict[str, Any]:
         """The base statistics plus ``outer_steps_skipped``."""
@@ -216,14 +293,21 @@ class DiLoCo(PeriodicAlgorithm):
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "diloco", **super().config(), "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "fragments": self.fragments, "outer_dtype": self.outer_dtype}
+                "outer_momentum": self.outer_momentum, "fragments": self.fragments, "outer_dtype": self.outer_dtype,
+                "overlap": self.overlap, "overlap_mix": self.overlap_mix}
 
     def state_dict(self) -> dict[str, Any]:
         """``{"step", "syncs", "outer_steps_skipped", "anchor": [tensor per trainable parameter],
-        "outer_optimizer": torch's SGD state_dict (momentum buffers)}``."""
-        return {**super().state_dict(), "outer_steps_skipped": self.outer_steps_skipped,
-                "anchor": [a.detach().clone() for a in self.anchor],
-                "outer_optimizer": self.outer_optimizer.state_dict()}
+        "outer_optimizer": torch's SGD state_dict (momentum buffers)}``, and with an overlapped sync in
+        flight (waited for here) ``"pending": {"fragment", "apply_step", "averaged": [flat tensors]}``."""
+        out = {**super().state_dict(), "outer_steps_skipped": self.outer_steps_skipped,
+               "anchor": [a.detach().clone() for a in self.anchor],
+               "outer_optimizer": self.outer_optimizer.state_dict()}
+        if self._pending is not None:
+            self._wait()
+            out["pending"] = {"fragment": self._pending["fragment"], "apply_step": self._pending["apply_step"],
+                              "averaged": [t.clone() for t in self._pending["averaged"]]}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` (tensors already on the module's device, or moved there by
@@ -242,11 +326,13 @@ class DiLoCo(PeriodicAlgorithm):
             for a, saved in zip(self.anchor, anchor):
                 a.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        pending = state.get("pending")
+        self._pending = None if pending is None else {**pending, "works": []}
 
 
 def _build(opts: DiLoCoOptions, ctx: Any) -> PeriodicSynchroniser:
     algorithm = DiLoCo(ctx.model, opts.period, opts.outer_lr, opts.outer_momentum, ctx.process_group,
-                       opts.fragments, opts.outer_dtype)
+                       opts.fragments, opts.outer_dtype, opts.overlap, opts.overlap_mix)
     return PeriodicSynchroniser("diloco", ctx, algorithm)
 
 
