@@ -195,7 +195,17 @@ def _fragments(rank, world, steps, options):
     fragment, whether the ranks hold bitwise identical parameters of it, and the wire bytes of the step."""
     dp = _build("diloco", _model(), momentum=0.9, **options)
     bounds = dp.algorithm.bounds
-    same, wire = [], []
+    same, wire, mixed = [], [], []
+    algo, outer_step = dp.algorithm, dp.algorithm._outer_step
+
+    def checked_outer_step(f, averaged):  # the parameters after an outer step: alpha x local + (1-alpha) x copy
+        lo, hi = bounds[f]
+        local = [p.detach().clone() for p in algo.params[lo:hi]]
+        outer_step(f, averaged)
+        mixed.append(all(torch.equal(p, torch.lerp(a, q, options.get("overlap_mix", 0.0)))
+                         for p, a, q in zip(algo.params[lo:hi], algo.anchor[lo:hi], local)))
+
+    algo._outer_step = checked_outer_step
     last = 0.0
     for s in range(steps):
         dp.train_step(*_batch(rank, s), F.cross_entropy)
@@ -209,7 +219,7 @@ def _fragments(rank, world, steps, options):
         now = dp.stats()["wire_bytes"]
         wire.append(now - last)
         last = now
-    out = {"same": same, "wire": wire, "bounds": bounds, "stats": dp.stats()}
+    out = {"same": same, "wire": wire, "bounds": bounds, "stats": dp.stats(), "mixed": mixed}
     dp.close()
     try:  # refused before any collective: more fragments than trainable tensors (4)
         _build("diloco", _model(), period=8, fragments=5)
@@ -224,6 +234,8 @@ def test_streaming_fragments_agree_after_their_own_sync_and_send_one_full_sync_p
     full = run_ranks(_fragments, 2, steps, {"period": 4}, timeout=120)[0]
     half = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2, "outer_dtype": "fp16"}, timeout=120)[0]
     late = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2, "overlap": 1}, timeout=120)[0]
+    mix = run_ranks(_fragments, 2, steps, {"period": 4, "fragments": 2, "overlap": 1, "overlap_mix": 0.25},
+                    timeout=120)[0]
     assert r0["bounds"] == [(0, 1), (1, 4)]
     assert r0["too_many"] == ("diloco.fragments must be an integer in [1, min(period, trainable parameter tensors) "
                               "= 4], got 5")
@@ -241,6 +253,9 @@ def test_streaming_fragments_agree_after_their_own_sync_and_send_one_full_sync_p
     # overlap 1: issued (and counted) at the same steps, applied one step later: the ranks agree then
     assert late["wire"] == r0["wire"]
     assert late["same"] == [[s % 4 == 3, s % 4 == 1 and s > 1] for s in range(1, steps + 1)], late["same"]
+    # overlap_mix 0.25: each fragment's parameters become 0.25 local + 0.75 synced copy (ranks differ after)
+    assert mix["mixed"] == [True] * 3 and late["mixed"] == [True] * 3 and r0["mixed"] == [True] * 4
+    assert not any(any(row) for row in mix["same"])
 
 
 @pytest.mark.parametrize("name, options, match", [
