@@ -296,7 +296,8 @@ class PeriodicPlan(AlgorithmPlan):
     :func:`gradsync.comm.fragments.fragment_at` gives (the algorithm's own schedule), ``F`` syncs per
     period; the simulator's fragments are equal element counts (``(f+1) N // F - f N // F``, where the
     algorithm cuts between whole tensors; the profile need not record the shapes). Floating buffers
-    (BatchNorm statistics) are not in the profile and not simulated.
+    (BatchNorm statistics) are not in the profile and not simulated, nor is diloco's ``overlap`` (an
+    all-reduce hidden behind the next inner steps): every sync is charged as blocking, an upper bound.
 
     The mean iteration over the period is ``compute + allreduce(N x bytes_per_element) / period``
     (with ``F > 1`` plus ``F - 1`` all-reduce latencies per period). Compute overheads (the outer

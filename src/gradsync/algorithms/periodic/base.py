@@ -174,8 +174,9 @@ class PeriodicWrapper:
         return self.algorithm.after_inner_step()
 
     def flush(self) -> None:
-        """Nothing is pending: ``module`` holds this rank's current parameters (between syncs they
-        differ across ranks; no collective is issued here)."""
+        """Nothing to do: ``module`` holds this rank's current parameters (between syncs they differ
+        across ranks; no collective is issued here; an overlapped ``diloco`` sync in flight is applied at
+        its own step, not here)."""
 
     def stats(self) -> dict[str, Any]:
         return self.algorithm.stats()
