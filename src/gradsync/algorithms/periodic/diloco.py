@@ -144,6 +144,7 @@ class DiLoCo(PeriodicAlgorithm):
         bounds: ``F`` half-open ranges ``(lo, hi)`` of trainable-parameter indices, one per fragment.
         outer_steps_skipped: outer steps (of one fragment each) skipped for a non-finite averaged outer
             gradient.
+        syncs: (the base's) fragment syncs issued: ``F`` per period.
 
     Raises:
         ValueError: if ``period`` is not an integer >= 1, ``fragments`` or ``overlap`` or
