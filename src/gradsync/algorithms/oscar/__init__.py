@@ -8,6 +8,7 @@ Modules:
 - :mod:`.countsketch`: :class:`CountSketchState` / :func:`countsketch_hook` (FetchSGD,
   Sketched-SGD).
 - :mod:`.splitting`: :class:`OscarState` (``oscar-sw``, ``oscar-asc``) / :func:`oscar_hook`.
+- :mod:`.coded_part`: ``oscar-asc``'s part B through the entropy-coded ring, chunks cut by coded size.
 
 Not through compressor -> memory -> communicator (:mod:`gradsync.comm.sparse`): one bucket's reduction
 is a chain of dependent collectives (the MAX of the scale, the sketch table, the exact values at the

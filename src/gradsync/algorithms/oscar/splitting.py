@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 from gradsync.algorithms.base import HookState
-from gradsync.comm.collectives import all_gather_flat
-from gradsync.comm.ring import balanced_bounds, equal_bounds, ring_all_reduce_coded
 from gradsync.compressors.countsketch import DEFAULT_SEED, CountSketch, HashCache, sketch_cols
 from gradsync.validation import check_choice, check_float, check_int
 
@@ -23,6 +21,7 @@ if TYPE_CHECKING:  # gradsync.coding needs the 'oscar' extra; only mode='asc' im
     from gradsync.coding.asc import ASCRingCoder
 
 from .bucket_worker import OrderedBucketWorker, reduce_bucket
+from .coded_part import coders_from_state, reduce_coded
 from .quantiser import default_levels, quantise, wire_dtype
 
 __all__ = ["OscarASCState", "OscarSWState", "OscarState", "oscar_hook", "split_by_mask"]
@@ -60,16 +59,6 @@ def split_by_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if mask.dtype != torch.bool or mask.dim() != 1:
         raise ValueError("mask must be a 1-D bool tensor")
     return torch.nonzero(mask).reshape(-1), torch.nonzero(~mask).reshape(-1)
-
-
-def _coders_from_state(coders: dict[Any, Any]) -> dict[int, "ASCRingCoder"]:
-    """ASC coders rebuilt from their state dicts (only ``mode="asc"`` has any, so only it imports
-    :mod:`gradsync.coding`)."""
-    if not coders:
-        return {}
-    from gradsync.coding.asc import ASCRingCoder
-
-    return {int(k): ASCRingCoder.from_state_dict(c) for k, c in coders.items()}
 
 
 class OscarState(OrderedBucketWorker, HookState):
@@ -169,8 +158,8 @@ class OscarState(OrderedBucketWorker, HookState):
         self.coded_bytes = 0
         self.wire_bytes_last_step = 0.0
         self._wire_at_step_start = 0.0
-        self._balance = _Mean()
-        self._balance_global = _Mean()
+        self.ring_balance = _Mean()
+        self.ring_balance_global = _Mean()
         self._sketch_err = _Mean()
         self._unrecovered = _Mean()
         self._zero_frac = _Mean()
@@ -189,7 +178,7 @@ class OscarState(OrderedBucketWorker, HookState):
     def _restore(self, saved: Any) -> None:
         error, prev_agg, zero_mask, coders = saved
         self.error, self.prev_agg, self.zero_mask = dict(error), dict(prev_agg), dict(zero_mask)
-        self.coders = _coders_from_state(coders)
+        self.coders = coders_from_state(coders)
 
     def state_dict(self) -> dict[str, Any]:
         gen = self._gen_state()
@@ -207,7 +196,7 @@ class OscarState(OrderedBucketWorker, HookState):
         self.error = {int(k): v.clone() for k, v in state["error"].items()}
         self.prev_agg = {int(k): v.clone() for k, v in state["prev_agg"].items()}
         self.zero_mask = {int(k): v.clone() for k, v in state["zero_mask"].items()}
-        self.coders = _coders_from_state(state["coders"])
+        self.coders = coders_from_state(state["coders"])
         self._generator = None
         # a generator state is a CPU tensor whatever device the rest of the state was moved to
         self._rng_state = None if state["rng_state"] is None else state["rng_state"].to("cpu", copy=True)
@@ -254,8 +243,8 @@ class OscarState(OrderedBucketWorker, HookState):
             coded_bytes=self.coded_bytes,
             coded_bits_per_element=(8.0 * self.coded_bytes / self.coded_elements if self.coded_elements
                                     else float("nan")),
-            ring_balance=self._balance.value(),
-            ring_balance_global=self._balance_global.value(),
+            ring_balance=self.ring_balance.value(),
+            ring_balance_global=self.ring_balance_global.value(),
             sketch_rel_error=self._sketch_err.value(),
             sketch_unrecovered_fraction=self._unrecovered.value(),
             probable_zero_fraction=self._zero_frac.value(),
@@ -399,62 +388,7 @@ class OscarState(OrderedBucketWorker, HookState):
             self._count(qb)
             agg[idx_b] = qb.to(torch.int32)
             return
-        # ASC through the coded ring
-        t0 = time.perf_counter()
-        max_abs = p * L
-        if max_abs > (1 << 24):
-            raise ValueError(f"mode='asc' needs world_size * levels <= 2**24, got {max_abs}")
-        coder = self.coders.get(key)
-        if coder is None or coder.max_abs != max_abs or coder.world_size != p:
-            from gradsync.coding.asc import ASCRingCoder
-
-            coder = ASCRingCoder(p, max_abs, alpha=self.asc_alpha, decay=self.asc_decay)
-            self.coders[key] = coder
-        qb = q[idx_b].contiguous()
-        if self.chunking == "balanced":
-            prev = self.prev_agg.get(key)
-            costs = self._element_costs(coder, prev[idx_b] if prev is not None else None, qb.numel())
-            bounds = balanced_bounds(costs, p)
-        else:
-            bounds = equal_bounds(qb.numel(), p)
-        self.compress_seconds += time.perf_counter() - t0
-        qb, rs = ring_all_reduce_coded(qb, bounds, coder.encode, coder.decode, group=pg)
-        t0 = time.perf_counter()
-        coder.end_iteration(qb)
-        agg[idx_b] = qb
-        self.encode_seconds += rs.encode_seconds
-        self.decode_seconds += rs.decode_seconds
-        self.coded_hops += rs.hops
-        self.coded_elements += sum(rs.rs_numel) + sum(rs.ag_numel)
-        self.coded_bytes += rs.total_bytes
-        self.compress_seconds += rs.encode_seconds + rs.decode_seconds
-        self.count_payload(rs.total_bytes, "p2p")  # ring hops as sent, length headers included
-        sent = [b for b in rs.rs_bytes]
-        if sent:
-            mean = sum(sent) / len(sent)
-            self._balance.append(max(sent) / mean if mean > 0 else 1.0)
-        self.compress_seconds += time.perf_counter() - t0
-        if self.global_balance and p > 1:
-            mine = torch.tensor(rs.rs_bytes, dtype=torch.float64)
-            allb = torch.zeros(p * mine.numel(), dtype=torch.float64)
-            all_gather_flat(allb, mine, group=pg)
-            self.count_collective(mine, kind="allgather")
-            per_step = allb.view(p, -1)
-            mean = per_step.mean(0)
-            ok = mean > 0
-            if bool(ok.any()):
-                self._balance_global.append(float((per_step.max(0).values[ok] / mean[ok]).mean()))
-
-    @staticmethod
-    def _element_costs(coder: "ASCRingCoder", prev_vals: torch.Tensor | None, m: int) -> torch.Tensor:
-        """Estimated coded bits per element: ``-log2 p(prev aggregate value)`` under the shared
-        all-gather model (identical on every rank); uniform before any history."""
-        counts = torch.from_numpy(coder.ag_counts)
-        if prev_vals is None or float(counts.sum()) == 0.0:
-            return torch.ones(m, dtype=torch.float64)
-        probs = (counts + coder.alpha) / (counts.sum() + coder.alpha * counts.numel())
-        bits = -torch.log2(probs)
-        return bits[prev_vals.to(torch.int64) + coder.max_abs]
+        reduce_coded(self, q, idx_b, agg, key, p, L)
 
 
 class OscarSWState(OscarState):
