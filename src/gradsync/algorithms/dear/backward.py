@@ -21,7 +21,19 @@ from ..base import count_bytes, count_dense
 from .groups import FusionGroup
 from .guard import DeARGradPlaceholder, is_placeholder
 
-#: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``; see :class:`DeAR`.
+#: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``, DeAR's compression filter.
+#: A ``grad_filter`` is called as ``grad_filter(flat, step, group)`` on each group before its reduce-
+#: scatter, where ``flat`` is the group's flat gradient (1-D view of ``numel`` elements, the
+#: parameters' dtype, parameter order; already multiplied by ``1 / scale`` when a ``grad_scaler`` is
+#: known, and with non-finite values replaced by 0 - the step is then skipped on every rank), ``step``
+#: the iteration (:attr:`iteration`) and ``group`` the group index. It may modify ``flat`` in place and
+#: return ``None``/``True``, return a tensor of the same shape to send instead, or return ``False`` to
+#: send nothing for this group this iteration (the group then gets a zero averaged gradient; the
+#: decision must be identical on every rank), or return a :class:`StridedShard` to communicate only
+#: ``flat[start::stride]`` (the size must be identical on every rank). Its run time is added to
+#: ``compress_seconds``. A filter that is an :class:`~gradsync.algorithms.protocol.Algorithm` (e.g.
+#: ``CovapGradFilter``) has its ``state_dict()`` saved and restored with DeAR's and its ``rollback()``
+#: called on a skipped step; a plain callable has no state.
 GradFilter = Callable[[torch.Tensor, int, int], Any]
 
 

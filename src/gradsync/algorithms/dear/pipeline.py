@@ -1,10 +1,9 @@
-"""DeAR's pipeline: :class:`DeAR` builds the fusion groups, hooks and process groups, ends each
-iteration in :meth:`DeAR.step` and holds the public API; the stages it is made of live in
-:mod:`.backward` (reduce-scatter), :mod:`.forward` (all-gather and lazy update), :mod:`.amp`
-(loss scaling, clipping), :mod:`.buffers` (module buffers), :mod:`.guard` (placeholder gradient and
-optimizer guard), :mod:`.communicator` (process groups, ring or native) and :mod:`.timing` (wait
-timers). Source and semantics: :mod:`gradsync.algorithms.dear`.
-"""
+"""DeAR's pipeline: :class:`DeAR` builds the fusion groups, hooks and process groups, ends each iteration
+in :meth:`DeAR.step` and holds the public API. Its parts: :mod:`.arguments` (argument checks),
+:mod:`.backward` (reduce-scatter), :mod:`.forward` (all-gather and lazy update), :mod:`.amp` (loss
+scaling, clipping), :mod:`.buffers` (module buffers), :mod:`.guard` (placeholder gradient, optimizer
+guard), :mod:`.communicator` (process groups, ring or native), :mod:`.timing` (wait timers). Source and
+semantics: :mod:`gradsync.algorithms.dear`."""
 
 from __future__ import annotations
 
@@ -16,13 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ...tuning.fusion import FusionTuner
-from ...validation import check_choice, check_float, check_int
+from ...validation import check_float
 from ..base import counter_stats, init_counters
 from ..protocol import Algorithm
 from .amp import LossScaling, check_scaler, record_found_inf
+from .arguments import check_arguments, optimizer_group_of, tuner_for
 from .backward import GradFilter, ReduceScatterStage
 from .buffers import BufferSync, flatten
-from .communicator import ALL_ALLGATHERS, REDUCE_SCATTER_CHOICES, Communicator
+from .communicator import Communicator
 from .forward import AllGatherStage
 from .groups import MAX_FUSION_MB, FusionGroup, build_groups, trainable_modules
 from .guard import OptimizerGuard
@@ -75,20 +75,9 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
             (default: 1 as DeAR - waiting for group ``k``'s all-gather launches group ``k + 1``'s -
             except on Gloo, where every group's all-gather is launched in ``step()`` so they run
             back to back behind the forward).
-        grad_filter: optional compression filter called as ``grad_filter(flat, step, group)`` on each
-            group before its reduce-scatter, where ``flat`` is the group's flat gradient (1-D view of
-            ``numel`` elements, the parameters' dtype, parameter order; already multiplied by
-            ``1 / scale`` when a ``grad_scaler`` is known, and with non-finite values replaced by 0 -
-            the step is then skipped on every rank), ``step`` the iteration (:attr:`iteration`) and
-            ``group`` the group index. It may modify ``flat`` in place and
-            return ``None``/``True``, return a tensor of the same shape to send instead, or return
-            ``False`` to send nothing for this group this iteration (the group then gets a zero
-            averaged gradient; the decision must be identical on every rank), or return a
-            :class:`StridedShard` to communicate only ``flat[start::stride]`` (the size must be
-            identical on every rank). Its run time is added to ``compress_seconds``. A filter that is
-            an :class:`~gradsync.algorithms.protocol.Algorithm` (e.g. ``CovapGradFilter``) has its
-            ``state_dict()`` saved and restored with DeAR's and its ``rollback()`` called on a
-            skipped step; a plain callable has no state.
+        grad_filter: optional compression filter called on each group before its reduce-scatter
+            (e.g. ``CovapGradFilter``); what it receives and may return, and how its state is saved
+            and rolled back, is the contract of :data:`~gradsync.algorithms.dear.backward.GradFilter`.
         tune_trials, tune_window, tune_warmup: :class:`FusionTuner` settings for ``fusion_mb="auto"``
             (trials, iterations per trial, iterations ignored before the first trial).
         seed: seed of the tuner's optimiser.
@@ -132,42 +121,13 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         reduce_scatter: str = "auto",
     ):
         # ---- argument checks (before any collective) ----
-        if not isinstance(model, nn.Module):
-            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, torch.optim.LBFGS):
-            raise ValueError("optimizer must be a per-parameter optimizer; LBFGS is not supported by DeAR")
-        self.auto = isinstance(fusion_mb, str)
-        if self.auto and fusion_mb != "auto":
-            raise ValueError(f"fusion_mb must be a number in (0, {MAX_FUSION_MB}] or 'auto', got {fusion_mb!r}")
-        if not self.auto:
-            fusion_mb = check_float("fusion_mb", fusion_mb, 0.0, MAX_FUSION_MB, low_inclusive=False)
-        if grad_filter is not None and not callable(grad_filter):
-            raise ValueError(f"grad_filter must be callable or None, got {type(grad_filter).__name__}")
-        if not isinstance(broadcast_buffers, bool):
-            raise ValueError(f"broadcast_buffers must be a bool, got {broadcast_buffers!r}")
-        check_scaler("grad_scaler", grad_scaler)
-        reduce_scatter = check_choice("reduce_scatter", reduce_scatter, REDUCE_SCATTER_CHOICES)
-        if max_allgathers != "auto":
-            max_allgathers = check_int("max_allgathers", max_allgathers, 1, ALL_ALLGATHERS)
-        tune_trials = check_int("tune_trials", tune_trials, 1, 1000)
-        tune_window = check_int("tune_window", tune_window, 2, 10_000)
-        if tune_warmup is not None:
-            tune_warmup = check_int("tune_warmup", tune_warmup, 0, 10**6)
-        seed = check_int("seed", seed, 0, 2**32 - 1)
-        self._tuner: FusionTuner | None = None
-        if self.auto:
-            self._tuner = FusionTuner(initial_mb=25.0, trials=tune_trials, window=tune_window,
-                                      warmup=tune_warmup, seed=seed)
+        fusion_mb, reduce_scatter, max_allgathers = check_arguments(
+            model, optimizer, fusion_mb, grad_filter, broadcast_buffers, grad_scaler, reduce_scatter, max_allgathers)
+        self.auto = fusion_mb == "auto"
+        self._tuner: FusionTuner | None = tuner_for(fusion_mb, tune_trials, tune_window, tune_warmup, seed)
+        if self._tuner is not None:
             fusion_mb = self._tuner.current_mb
-        model_params = {id(p) for p in model.parameters()}
-        opt_params: dict[int, int] = {}
-        for gi, pg in enumerate(optimizer.param_groups):
-            for p in pg["params"]:
-                if id(p) not in model_params:
-                    raise ValueError("optimizer holds a parameter that is not in model")
-                opt_params[id(p)] = gi
+        opt_params = optimizer_group_of(model, optimizer)
         self._modules = trainable_modules(model, opt_params)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialised before building DeAR")
@@ -241,7 +201,10 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
 
     # ------------------------------------------------------------------ grouping (tensor fusion)
     def _build_groups(self, fusion_mb: float) -> None:
-        layout = build_groups(self._modules, fusion_mb, self.world_size, self._user_group_of)
+        """Apply any pending update, then cut the fusion groups with threshold ``fusion_mb`` (MB)."""
+        self.flush()
+        self.fusion_mb = float(fusion_mb)
+        layout = build_groups(self._modules, self.fusion_mb, self.world_size, self._user_group_of)
         self._groups = layout.groups
         self._module_group = layout.module_group
         self._param_loc = layout.param_loc
@@ -263,11 +226,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         fusion_mb = check_float("fusion_mb", fusion_mb, 0.0, MAX_FUSION_MB, low_inclusive=False)
         if self._mid_iteration():
             raise RuntimeError("set_fusion_mb must be called after step(), not during an iteration")
-        self.flush()
-        self.fusion_mb = float(fusion_mb)
-        self._build_groups(self.fusion_mb)
+        self._build_groups(fusion_mb)
 
-    # ------------------------------------------------------------------ backward: reduce-scatter
     # ------------------------------------------------------------------ step: wait, start all-gather
     def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
         """End the iteration: launch missing reduce-scatters, wait for all, start the all-gathers.
@@ -333,9 +293,7 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         if self._tuner is not None:
             new_mb = self._tuner.observe()
             if new_mb is not None:
-                self.flush()
-                self.fusion_mb = float(new_mb)
-                self._build_groups(self.fusion_mb)
+                self._build_groups(new_mb)
 
     # ------------------------------------------------------------------ public helpers
     def flush(self) -> None:
@@ -416,7 +374,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
     def state_dict(self) -> dict[str, Any]:
         """Flush, then return ``{"model", "optimizer", "dear"}`` (the optimizer's own state_dict, in
         DDP's format; ``"dear"`` holds the iteration, the threshold, the tuner state and the
-        :attr:`filter_state`'s ``state_dict()``, e.g. COVAP's error-feedback residuals). The GradScaler's state is the caller's (``scaler.state_dict()``)."""
+        :attr:`filter_state`'s ``state_dict()``, e.g. COVAP's error-feedback residuals). The
+        GradScaler's state is the caller's (``scaler.state_dict()``)."""
         self.flush()
         return {
             "model": self.model.state_dict(),
@@ -450,10 +409,9 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
             self.optimizer.load_state_dict(state["optimizer"])
         d = state["dear"]
         self.iteration = int(d["iteration"])
-        self.fusion_mb = float(d["fusion_mb"])
         if self._tuner is not None and d.get("tuner") is not None:
             self._tuner.load_state_dict(d["tuner"])
-        self._build_groups(self.fusion_mb)
+        self._build_groups(d["fusion_mb"])
         if d.get("grad_filter"):  # None or {}: saved without filter state
             self.filter_state.load_state_dict(d["grad_filter"])
         if self.broadcast_buffers:  # per-rank checkpoints hold each rank's own statistics
