@@ -54,16 +54,23 @@ def _dense_case(rank, world_size, n, pattern, dtype):
     )
 
 
+def _dense_cases(rank, world_size, n, cases):
+    """:func:`_dense_case` for each ``(pattern, dtype)`` of ``cases`` in one process group."""
+    return [_dense_case(rank, world_size, n, pattern, dtype) for pattern, dtype in cases]
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_ring_matches_all_reduce_uneven_and_empty_chunks(world_size):
-    for pattern in ("equal", "random", "zeros", "all_in_one"):
-        for dtype in (torch.float32, torch.int32):
-            res = run_ranks(_dense_case, world_size, 1001, pattern, dtype, timeout=60)
-            for bounds, same, own_ok, rs_ag in res:
-                assert same and own_ok and rs_ag, (world_size, pattern, dtype, bounds)
-            if pattern in ("zeros", "all_in_one"):
-                b = res[0][0]
-                assert any(b[i] == b[i + 1] for i in range(world_size)), b
+    cases = [(pattern, dtype) for pattern in ("equal", "random", "zeros", "all_in_one")
+             for dtype in (torch.float32, torch.int32)]
+    per_rank = run_ranks(_dense_cases, world_size, 1001, cases, timeout=60)
+    for i, (pattern, dtype) in enumerate(cases):
+        res = [r[i] for r in per_rank]
+        for bounds, same, own_ok, rs_ag in res:
+            assert same and own_ok and rs_ag, (world_size, pattern, dtype, bounds)
+        if pattern in ("zeros", "all_in_one"):
+            b = res[0][0]
+            assert any(b[j] == b[j + 1] for j in range(world_size)), b
 
 
 def _coded_case(rank, world_size, n, steps):
