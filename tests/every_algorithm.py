@@ -8,6 +8,8 @@ weight decay, and options that make every algorithm compress from the first step
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import nn
 
@@ -18,6 +20,21 @@ from torch import nn
 OPTIONS = {"ratio": 2, "density": 0.1, "error_feedback": True, "compressor": "topk", "levels": 127,
            "matrix_approximation_rank": 2, "search_interval": 2, "gain_floor": 0.75, "plateau_tolerance": 0.05,
            "fusion_mb": 0.01, "period": 5}
+
+
+#: registered algorithms that run an optional library, and its import name: where it is not installed
+#: the every-algorithm tests leave them out (``torchft-diloco``: torchft's DiLoCo, the ``torchft`` extra;
+#: tests/test_torchft_peer.py tests it and skips then)
+OPTIONAL_LIBRARY = {"torchft-diloco": "torchft"}
+
+
+def installed_algorithms() -> list[str]:
+    """Every registered algorithm name, sorted, except those whose :data:`OPTIONAL_LIBRARY` is not
+    installed here."""
+    from gradsync.algorithms import REGISTRY
+
+    return sorted(n for n in REGISTRY
+                  if n not in OPTIONAL_LIBRARY or importlib.util.find_spec(OPTIONAL_LIBRARY[n]) is not None)
 
 
 def small_model() -> nn.Module:

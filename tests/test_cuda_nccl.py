@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(not (CUDA or ON_CPU), reason="needs a CUDA devic
 
 OPTIONS = {"ratio": 2, "density": 0.1}
 STEPS = 5  # 2 dense start-up iterations, then 3 compressed ones
-CPU_ONLY = ("oscar-sw", "oscar-asc", "countsketch")  # raise a clear error for CUDA buckets by design
+#: raise a clear error for CUDA buckets by design (torchft-diloco: for a CUDA model, torchft's Gloo group)
+CPU_ONLY = ("oscar-sw", "oscar-asc", "countsketch", "torchft-diloco")
 
 
 def _run(fn, world):
@@ -559,7 +560,7 @@ def _resume_matrix_job(rank, world, device):
     import gradsync
     from gradsync.algorithms import REGISTRY
     from gradsync.algorithms.state_io import map_tree
-    from every_algorithm import OPTIONS as SMALL, load_wrapped, wrapped_checkpoint
+    from every_algorithm import OPTIONS as SMALL, installed_algorithms, load_wrapped, wrapped_checkpoint
 
     options = {**SMALL, "plateau_tolerance": 0.0, "check_every": 2}  # as test_resume_matrix: no timing
     gen = torch.Generator().manual_seed(rank)
@@ -582,7 +583,7 @@ def _resume_matrix_job(rank, world, device):
         return loss.item()
 
     out = {}
-    for name in sorted(n for n in REGISTRY if not (device.type == "cuda" and n in CPU_ONLY)):
+    for name in [n for n in installed_algorithms() if not (device.type == "cuda" and n in CPU_ONLY)]:
         try:
             model, opt, w, hook = make(name)
             full, saved = [], None

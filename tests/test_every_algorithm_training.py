@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
-from every_algorithm import batches, build_small
+from every_algorithm import batches, build_small, installed_algorithms
 
-from gradsync.algorithms import REGISTRY, Precision
+from gradsync.algorithms import Precision
 from gradsync.train import checkpoint as C
 from gradsync.train.config import TrainConfig
 
@@ -66,7 +66,7 @@ def _resume_every_algorithm(rank, world, names, root):
 
 @pytest.mark.timeout(600)
 def test_resumed_run_continues_the_uninterrupted_losses_for_every_algorithm(tmp_path):
-    names = sorted(REGISTRY)
+    names = installed_algorithms()
     res = run_ranks(_resume_every_algorithm, 2, names, str(tmp_path), timeout=400, pg_timeout=60)
     for rank, r in enumerate(res):
         assert set(r) == set(names)
@@ -106,7 +106,7 @@ def _amp_every_algorithm(rank, world, names):
 
 @pytest.mark.timeout(600)
 def test_bf16_autocast_and_fp16_grad_scaler_with_clipping_train_every_algorithm():
-    names = sorted(REGISTRY)
+    names = installed_algorithms()
     res = run_ranks(_amp_every_algorithm, 2, names, timeout=400, pg_timeout=60)
     for rank, r in enumerate(res):
         assert len(r) == 2 * len(names)

@@ -38,10 +38,11 @@ import torch
 from cli_runner import run_tree
 from distributed import run_ranks
 from every_algorithm import OPTIONS as SMALL_OPTIONS
+from every_algorithm import installed_algorithms
 from gradsync.algorithms import REGISTRY
 from gradsync.workloads import fashion_mnist
 
-NAMES = sorted(REGISTRY)
+NAMES = installed_algorithms()
 STEPS, SAVE = 6, 3
 #: every_algorithm's options (each algorithm compresses from its first steps), without timing in
 #: the decisions (see the module docstring), the ladder checking its error every 2 steps

@@ -9,7 +9,8 @@ byte counters, :class:`~gradsync.algorithms.periodic.base.PeriodicWrapper`, whic
 2311.08105), optionally by fragments synced at staggered steps (Streaming DiLoCo, arXiv 2501.18512) and
 with 16-bit outer gradients on the wire. Between syncs no collective runs and each rank's model is its
 own; the ranks agree again right after each sync (with fragments: a fragment's parameters right after
-that fragment's sync).
+that fragment's sync). :mod:`.torchft_peer` registers ``torchft-diloco``, torchft 0.2.0's own DiLoCo run
+as a measured peer of ``diloco`` (the ``torchft`` extra).
 """
 
 from .base import PeriodicAlgorithm, PeriodicSynchroniser, PeriodicWrapper
@@ -17,9 +18,12 @@ from .diloco import DiLoCo, DiLoCoOptions
 from .diloco import SPEC as DILOCO_SPEC
 from .local_sgd import LocalSGD, LocalSGDOptions
 from .local_sgd import SPEC as LOCAL_SGD_SPEC
+from .torchft_peer import SPEC as TORCHFT_DILOCO_SPEC
+from .torchft_peer import TorchftDiLoCo, TorchftDiLoCoOptions
 
-#: both registered names
-SPECS = (LOCAL_SGD_SPEC, DILOCO_SPEC)
+#: the registered names (torchft-diloco imports torchft only when it is built)
+SPECS = (LOCAL_SGD_SPEC, DILOCO_SPEC, TORCHFT_DILOCO_SPEC)
 
-__all__ = ["DILOCO_SPEC", "LOCAL_SGD_SPEC", "SPECS", "DiLoCo", "DiLoCoOptions", "LocalSGD", "LocalSGDOptions",
-           "PeriodicAlgorithm", "PeriodicSynchroniser", "PeriodicWrapper"]
+__all__ = ["DILOCO_SPEC", "LOCAL_SGD_SPEC", "SPECS", "TORCHFT_DILOCO_SPEC", "DiLoCo", "DiLoCoOptions", "LocalSGD",
+           "LocalSGDOptions", "PeriodicAlgorithm", "PeriodicSynchroniser", "PeriodicWrapper", "TorchftDiLoCo",
+           "TorchftDiLoCoOptions"]

@@ -58,7 +58,8 @@ synced copy and the outer momentum of the fragment stay, every rank's parameters
 back to its synced copy, the buffers stay local, and ``outer_steps_skipped`` counts it (the decision
 is on the all-reduced tensor, the same on every rank).
 
-Not done yet: torchft's DiLoCo as a measured peer, 4-bit outer gradients (Sec. 2.4), the grid of issue 33.
+torchft's own DiLoCo, measured as a peer in the same run: :mod:`gradsync.algorithms.periodic.torchft_peer`
+(``torchft-diloco``). Not done yet: 4-bit outer gradients (Sec. 2.4), the grid of issue 33.
 """
 
 from __future__ import annotations
