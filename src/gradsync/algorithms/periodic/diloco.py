@@ -84,10 +84,9 @@ OUTER_DTYPES = tuple(WIRE_DTYPES)
 
 
 @dataclass(frozen=True)
-class DiLoCoOptions(Options):
-    """Options of ``diloco``."""
+class OuterLoopOptions(Options):
+    """The options every DiLoCo implementation takes (``diloco``, ``torchft-diloco``)."""
 
-    OWNER = "diloco"
     period: int = option(16, "H: local optimizer steps between synchronisations (local-sgd: parameter "
                          "averages; diloco: outer steps)", low=1, high=MAX_PERIOD, units="steps")
     outer_lr: float = option(0.7, "DiLoCo's outer learning rate (Nesterov SGD on the averaged parameter deltas)",
@@ -98,6 +97,13 @@ class DiLoCoOptions(Options):
                             "parameters, each synced once per period at staggered steps, period/fragments apart "
                             "(1: the whole model every period; at most period and the number of trainable tensors)",
                             low=1, high=MAX_PERIOD)
+
+
+@dataclass(frozen=True)
+class DiLoCoOptions(OuterLoopOptions):
+    """Options of ``diloco``."""
+
+    OWNER = "diloco"
     outer_dtype: str = option("fp32", "dtype of DiLoCo's outer gradient on the wire (fp16, bf16: cast after dividing "
                               "by the world size, half the bytes; fp32: no cast)", choices=OUTER_DTYPES)
 

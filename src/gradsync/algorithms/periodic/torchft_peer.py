@@ -95,12 +95,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ...comm.fragments import fragment_bounds
-from ...options import Options, option
+from ...options import option
 from ..base import count_bytes
 from ..spec import AlgorithmSpec
 from ..synchroniser import BuildContext
 from .base import PeriodicAlgorithm, PeriodicSynchroniser, _group_rank0, broadcast_module
-from .local_sgd import MAX_PERIOD
+from .diloco import OuterLoopOptions
 
 #: the torchft release this module was written and tested against (it calls DiLoCo's post-step hook
 #: and reads its fragments' backup copies, which are not public API)
@@ -152,20 +152,10 @@ def _hostport(host: str, port: int) -> str:
 
 
 @dataclass(frozen=True)
-class TorchftDiLoCoOptions(Options):
+class TorchftDiLoCoOptions(OuterLoopOptions):
     """Options of ``torchft-diloco`` (mapped onto torchft 0.2.0's ``DiLoCo``; see the module docstring)."""
 
     OWNER = "torchft-diloco"
-    period: int = option(16, "H: local optimizer steps between synchronisations (local-sgd: parameter "
-                         "averages; diloco: outer steps)", low=1, high=MAX_PERIOD, units="steps")
-    outer_lr: float = option(0.7, "DiLoCo's outer learning rate (Nesterov SGD on the averaged parameter deltas)",
-                             low=0.0, high=10.0, low_open=True)
-    outer_momentum: float = option(0.9, "DiLoCo's outer Nesterov momentum (0: plain outer SGD)", low=0.0, high=1.0,
-                                   high_open=True)
-    fragments: int = option(1, "Streaming DiLoCo (arXiv 2501.18512 Sec. 2.2): contiguous groups of the trainable "
-                            "parameters, each synced once per period at staggered steps, period/fragments apart "
-                            "(1: the whole model every period; at most period and the number of trainable tensors)",
-                            low=1, high=MAX_PERIOD)
     torchft_timeout: float = option(60.0, "torchft-diloco: timeout of torchft's quorum, collectives, RPCs and "
                                     "connections", low=0.0, high=86400.0, low_open=True, units="s")
 
