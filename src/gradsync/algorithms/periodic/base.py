@@ -86,6 +86,20 @@ class PeriodicAlgorithm(Algorithm):
         init_counters(self)
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
 
+    def check_fragments(self, owner: str, fragments: Any) -> int:
+        """``fragments`` as an int, checked against this model and period (shared by ``diloco`` and
+        ``torchft-diloco``).
+
+        Raises:
+            ValueError: ``"<owner>.fragments must be an integer in [1, min(period, trainable parameter
+                tensors) = M], got ..."`` when it is not.
+        """
+        most = min(self.period, len(self.params))
+        if isinstance(fragments, bool) or int(fragments) != fragments or not 1 <= fragments <= most:
+            raise ValueError(f"{owner}.fragments must be an integer in [1, min(period, trainable parameter tensors) "
+                             f"= {most}], got {fragments!r}")
+        return int(fragments)
+
     @property
     def world_size(self) -> int:
         return dist.get_world_size(self.process_group)

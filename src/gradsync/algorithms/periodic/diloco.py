@@ -163,11 +163,8 @@ class DiLoCo(PeriodicAlgorithm):
                  process_group: Any = None, fragments: int = 1, outer_dtype: str = "fp32", overlap: int = 0,
                  overlap_mix: float = 0.0):
         super().__init__(module, period, process_group)
-        most = min(self.period, len(self.params))
-        if isinstance(fragments, bool) or int(fragments) != fragments or not 1 <= fragments <= most:
-            raise ValueError(f"diloco.fragments must be an integer in [1, min(period, trainable parameter tensors) "
-                             f"= {most}], got {fragments!r}")
-        lag = self.period // int(fragments) - 1
+        fragments = self.check_fragments("diloco", fragments)
+        lag = self.period // fragments - 1
         if isinstance(overlap, bool) or int(overlap) != overlap or not 0 <= overlap <= lag:
             raise ValueError(f"diloco.overlap must be an integer in [0, period // fragments - 1 = {lag}], "
                              f"got {overlap!r}")
@@ -177,7 +174,7 @@ class DiLoCo(PeriodicAlgorithm):
             raise ValueError(f"diloco.outer_dtype must be one of {', '.join(OUTER_DTYPES)}; got {outer_dtype!r}")
         broadcast_module(module, process_group)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
-        self.fragments, self.outer_dtype = int(fragments), outer_dtype
+        self.fragments, self.outer_dtype = fragments, outer_dtype
         self.overlap, self.overlap_mix = int(overlap), float(overlap_mix)
         self._pending: Optional[dict[str, Any]] = None  # an overlapped sync in flight
         self._wire_dtype = WIRE_DTYPES[outer_dtype]

@@ -214,11 +214,8 @@ class TorchftDiLoCo(PeriodicAlgorithm):
                  process_group: Any = None, fragments: int = 1, timeout: float = 60.0,
                  master_addr: Optional[str] = None):
         super().__init__(module, period, process_group)
-        most = min(self.period, len(self.params))
-        if isinstance(fragments, bool) or int(fragments) != fragments or not 1 <= fragments <= most:
-            raise ValueError(f"torchft-diloco.fragments must be an integer in [1, min(period, trainable parameter "
-                             f"tensors) = {most}], got {fragments!r}")
-        if self.period % int(fragments):
+        fragments = self.check_fragments("torchft-diloco", fragments)
+        if self.period % fragments:
             raise ValueError(f"torchft-diloco.fragments must divide period={self.period}, got {fragments!r}")
         devices = sorted({str(p.device) for p in self.params})
         if devices != ["cpu"]:
@@ -235,7 +232,7 @@ class TorchftDiLoCo(PeriodicAlgorithm):
         if not master_addr:
             raise ValueError("torchft-diloco needs master_addr (or the MASTER_ADDR environment variable): the host "
                              "of group rank 0, where the torchft lighthouse runs")
-        self.outer_lr, self.outer_momentum, self.fragments = float(outer_lr), float(outer_momentum), int(fragments)
+        self.outer_lr, self.outer_momentum, self.fragments = float(outer_lr), float(outer_momentum), fragments
         self.timeout = float(timeout)
         self.outer_steps_skipped = 0
         self.diloco: Any = None
