@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 #: The real console entry point, for the tests that check it.
 CONSOLE = [sys.executable, "-m", "gradsync"]
 
-_PRELOAD = ["torch", "torch.distributed", "torch.optim", "gradsync.cli", "gradsync.train.loop",
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.optim", "gradsync.cli", "gradsync.train.loop",
             "gradsync.bench.worker", "matplotlib.pyplot"]
 _ctx = None
 

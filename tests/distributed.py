@@ -14,7 +14,6 @@ import gc
 from collections.abc import Callable
 from typing import Any
 
-import torch._dynamo  # noqa: F401  DDP imports it lazily (~6 s per forked rank); import once before fork
 
 from gradsync.launch import LocalRanks, RankFailure
 

@@ -113,6 +113,8 @@ class LocalRanks:
         if start_method not in ("fork", "spawn", "forkserver"):
             raise ValueError(f"start_method must be fork, spawn or forkserver, got {start_method!r}")
         self._claim("function")
+        if start_method == "fork":  # torch imports it at each rank's first optimizer (1-3 s there); once here
+            import torch._dynamo  # noqa: F401
         ctx = mp.get_context(start_method)
         self._results = ctx.Queue()
         for r in range(self.world):
