@@ -105,6 +105,9 @@ def test_train_auto_measures_chooses_and_resumes_with_its_choice(tmp_path):
     # loopback: the all-reduce is far faster than the backward pass
     assert s["algorithm"] == "auto" and s["auto_choice"] == "allreduce" and s["auto_ccr"] < 0.5
     assert s["auto_reason"].startswith("CCR ") and "auto chose" in first.stdout and s["auto_probe_seconds"] > 0
+    # below LOW_CCR nothing but the profile and the dense all-reduce is measured; the phases add up
+    phases = s["auto_probe_phases_s"]
+    assert set(phases) == {"profile", "ccr"} and 0 < sum(phases.values()) <= s["auto_probe_seconds"], phases
     # resumed with auto: the recorded choice, no new measurement; steps 7-9 as a resume that names the choice
     shutil.copytree(ckpt, tmp_path / "ckpt-named")
     resumed = run_cli([*common, "--max-steps", "9", "--checkpoint", ckpt, "--resume", "latest",
@@ -123,31 +126,36 @@ def test_train_auto_measures_chooses_and_resumes_with_its_choice(tmp_path):
     assert [losses[k] for k in range(1, 7)] == [i["loss"] for i in first_losses]
 
 
-def _decide_at(rank, world, allreduce_s):
+def _decide_at(rank, world, allreduce_times):
     import torch
     import torch.nn.functional as F
 
     from gradsync.profiler.auto import decide
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    g = torch.Generator().manual_seed(10 + rank)
-    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
-    d = decide(PROFILE, allreduce_s, model, batches, F.cross_entropy,
-               lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "sgd", 0.005)
-    return sorted(d.iterations), d.entry
+    out = []
+    for allreduce_s in allreduce_times:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        g = torch.Generator().manual_seed(10 + rank)
+        batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
+        d = decide(PROFILE, allreduce_s, model, batches, F.cross_entropy,
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "sgd", 0.005)
+        out.append((sorted(d.iterations), d.entry, sorted(d.phases)))
+    return out
 
 
 def test_ddp_is_timed_beside_the_short_list_only_where_it_is_a_contender():
     from distributed import run_ranks
 
     # CCR 1.5 (45 ms of dense all-reduce against 30 ms of backward): DDP's simulated time to quality is
-    # within 2x of the best candidate's, so it is timed on the probe's copy with them
-    (near, choice), (near1, choice1) = run_ranks(_decide_at, 2, 0.045, timeout=180)
-    assert near == near1 and choice == choice1 and "allreduce" in near and len(near) >= 2
+    # within 2x of the best candidate's, so it is timed on the probe's copy with them;
     # CCR 50: DDP is far behind; its iteration stays simulated (no dense steps on a slow link)
-    (far, _), _ = run_ranks(_decide_at, 2, 1.5, timeout=180)
+    ranks = run_ranks(_decide_at, 2, [0.045, 1.5], timeout=180)
+    assert ranks[0] == ranks[1], "every rank measures and chooses alike"
+    (near, _, near_phases), (far, _, far_phases) = ranks[0]
+    assert "allreduce" in near and len(near) >= 2
     assert far and "allreduce" not in far
+    assert near_phases == far_phases == ["quality", "timing"]
 
 
 def _repetitions(rank, world, budget_s):

@@ -148,9 +148,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                                 cfg.workload, cfg.batch_size, cfg.bucket_cap_mb, seed=cfg.seed)
         chosen[AUTO] = {"entry": decision.entry, "reason": decision.advice.reason,
                         "errors": decision.errors, "iterations_s": decision.iterations,
-                        "probe_seconds": decision.probe_seconds}
+                        "probe_seconds": decision.probe_seconds, "probe_phases_s": decision.phases}
         if rank == 0:
-            print(f"auto: {decision.entry}: {decision.advice.reason}", flush=True)
+            print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took {decision.probe_seconds:.1f} s: "
+                  f"{decision.describe_phases()})", flush=True)
 
     records: dict[str, dict[str, list[float]]] = {
         a: {"iter_s": [], "wire_bytes": [], "payload_bytes": [], "dense_wire_bytes": [], "compress_s": [],

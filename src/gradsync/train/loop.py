@@ -56,7 +56,7 @@ def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tenso
                             cfg.batch_size, bucket_cap_mb, seed=cfg.seed)
     if rank == 0:
         print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took "
-              f"{decision.probe_seconds:.1f} s)", flush=True)
+              f"{decision.probe_seconds:.1f} s: {decision.describe_phases()})", flush=True)
     name, options = parse_entry(decision.entry)
     return dataclasses.replace(cfg, algorithm=name, options=options), decision.summary()
 
