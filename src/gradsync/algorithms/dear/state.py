@@ -26,10 +26,10 @@ class IterationState:
 
     * ``groups``, ``module_group`` (``id(module) ->`` group index), ``param_loc`` (``id(param) ->
       (group index, slot)``): the fusion layout. W: :meth:`set_layout` (DeAR, between iterations);
-      R: RS, AG, AMP, DeAR (clipping, sizes). Each :class:`~gradsync.algorithms.dear.groups.FusionGroup` also holds its
-      own per-iteration state: ``ready``/``n_ready``/``launched``/``all_used``/``skipped``/``rs_work``
-      and the compact ``sel``/``c_*`` buffers (W: RS; ``sel``/``c_*`` cleared by AG once applied or
-      by RS on a skipped step), ``unscaled`` (W: RS, AMP) and ``ag_work`` (W: AG).
+      R: RS, AG, AMP, DeAR (clipping, sizes). Each :class:`~gradsync.algorithms.dear.groups.FusionGroup`
+      also holds its own per-iteration state: ``ready``/``n_ready``/``launched``/``all_used``/
+      ``skipped``/``rs_work`` and the compact ``sel``/``c_*`` buffers (W: RS; ``sel``/``c_*`` cleared
+      by AG once applied or by RS on a skipped step), ``unscaled`` (W: RS, AMP) and ``ag_work`` (W: AG).
     * ``next_launch``: highest group index whose reduce-scatter is not launched yet in this backward
       (-1: all launched). W: RS, :meth:`set_layout`; R: RS.
     * ``reduced``: this iteration's reduce-scatters are done and the shards averaged. W: RS (set),
