@@ -6,13 +6,14 @@ decoupling all-reduce into reduce-scatter + all-gather and pipelining them with 
 the next feed-forward; Sec. 4: tensor fusion and its Bayesian-optimisation tuning). The code is
 written from the paper's description, not copied.
 
-The package: :mod:`.pipeline` (:class:`DeAR`: construction, ``step()``, public API) built from
-:mod:`.backward` (gradient hooks, reduce-scatter, ``grad_filter``), :mod:`.forward` (all-gather, lazy
-optimizer application), :mod:`.amp` (GradScaler, clipping), :mod:`.buffers` (module buffers),
-:mod:`.guard` (placeholder gradient, optimizer guard), :mod:`.communicator` (process groups, ring or
-native reduce-scatter, ``max_allgathers``) and :mod:`.timing` (wait timers); :mod:`.groups` decides
-which parameters are fused into which group; :mod:`.covap` is dear-covap's filter;
-:mod:`.registration` registers both names.
+The package: :mod:`.pipeline` (:class:`DeAR`: construction, ``step()``, public API) holds collaborators,
+each built with only what it uses (:mod:`.parts` wires them): :mod:`.communicator` (process groups, ring
+or native reduce-scatter, ``max_allgathers``), :mod:`.backward` (gradient hooks, reduce-scatter,
+``grad_filter``), :mod:`.forward` (all-gather, lazy optimizer application), :mod:`.amp` (GradScaler,
+clipping), :mod:`.buffers` (module buffers), :mod:`.guard` (placeholder gradient, optimizer guard) and
+:mod:`.timing` (wait timers); they share one :mod:`.state` (fusion layout, cursors and flags of the
+iteration; counters). :mod:`.groups` decides which parameters are fused into which group;
+:mod:`.covap` is dear-covap's filter; :mod:`.registration` registers both names.
 
 How one iteration runs (world size ``P``):
 

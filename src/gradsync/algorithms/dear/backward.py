@@ -5,7 +5,7 @@ by a placeholder (:mod:`~gradsync.algorithms.dear.guard`); when every parameter 
 ready its reduce-scatter is launched, in descending group order on every rank (Zhang et al., arXiv
 2302.12445, Sec. 3: wait-free back-propagation). An optional ``grad_filter`` (e.g. dear-covap) sees
 each group's flat gradient first and may drop it, replace it or ask for a :class:`StridedShard`.
-:class:`ReduceScatterStage` is a base of :class:`~gradsync.algorithms.dear.DeAR`.
+:class:`ReduceScatterStage` is held by :class:`~gradsync.algorithms.dear.DeAR`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,12 @@ from typing import Any
 import torch
 
 from ..base import count_bytes, count_dense
+from .amp import LossScaling
+from .communicator import Communicator
 from .groups import FusionGroup
 from .guard import DeARGradPlaceholder, is_placeholder
+from .state import Counters, IterationState
+from .timing import WaitTimers
 
 #: ``grad_filter(flat, step, group) -> None | bool | Tensor | StridedShard``, DeAR's compression filter.
 #: A ``grad_filter`` is called as ``grad_filter(flat, step, group)`` on each group before its reduce-
@@ -57,26 +61,35 @@ class StridedShard:
 class ReduceScatterStage:
     """Gradient hooks, reduce-scatter launches and their completion for a DeAR wrapper.
 
-    Uses the host's ``_groups``, ``_param_loc``, ``_next_launch``, ``_reduced``, ``_no_sync``,
-    ``_staged_buffers``, ``grad_filter``, ``_scaler``, ``_filtered_scaled``, ``iteration``,
-    ``world_size``, ``rank``, ``comm`` and its ``_timed()``, ``_hook_unscale()`` and
-    ``_apply_through()``.
+    Args:
+        state: the shared :class:`~gradsync.algorithms.dear.state.IterationState`; this stage writes
+            ``next_launch``, ``reduced`` and the groups' backward state.
+        comm: the :class:`~gradsync.algorithms.dear.communicator.Communicator` (``reduce_scatter_async``).
+        amp: the :class:`~gradsync.algorithms.dear.amp.LossScaling` that unscales each group before its
+            ``grad_filter`` and reduce-scatter.
+        grad_filter: the optional :data:`GradFilter`.
+        counters: the :class:`~gradsync.algorithms.dear.state.Counters` (bytes, collectives, skipped
+            buckets; ``iteration`` is the filter's ``step``).
+        timers: the :class:`~gradsync.algorithms.dear.timing.WaitTimers` (``compress_seconds``,
+            ``rs_wait_seconds``).
+        world_size: ``P``.
     """
+
+    def __init__(self, state: IterationState, comm: Communicator, amp: LossScaling, grad_filter: GradFilter | None,
+                 counters: Counters, timers: WaitTimers, world_size: int) -> None:
+        self._state = state
+        self._comm = comm
+        self._amp = amp
+        self._filter = grad_filter
+        self._counters = counters
+        self._timers = timers
+        self._world_size = world_size
+        self._no_sync = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally, as ``DistributedDataParallel.no_sync``.
-
-        Backward passes inside the context only accumulate into ``p.grad`` (no communication); the
-        first backward pass outside it adds its gradients and synchronises the sum, which the next
-        :meth:`step` averages over ranks. Usage::
-
-            with dear.no_sync():
-                for x, y in micro_batches[:-1]:
-                    loss_fn(dear(x), y).backward()
-            loss_fn(dear(*micro_batches[-1]), ...).backward()
-            dear.step()
-        """
+        """Backward passes inside the context only accumulate into ``p.grad`` (see :meth:`DeAR.no_sync
+        <gradsync.algorithms.dear.DeAR.no_sync>`)."""
         old = self._no_sync
         self._no_sync = True
         try:
@@ -84,13 +97,19 @@ class ReduceScatterStage:
         finally:
             self._no_sync = old
 
-    def _grad_hook(self, p: torch.Tensor) -> None:
-        self._staged_buffers = None  # a backward started: later forwards keep their local buffers
+    def grad_hook(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter ``p``: copy its gradient into its group's buffer,
+        replace ``p.grad`` by a placeholder and launch the reduce-scatters that are ready.
+
+        Raises:
+            RuntimeError: on a second backward pass before ``step()``, or a sparse gradient.
+        """
         if self._no_sync:
             return
-        k, slot = self._param_loc[id(p)]
-        g = self._groups[k]
-        if g.ready[slot] or g.launched or self._reduced:
+        st = self._state
+        k, slot = st.param_loc[id(p)]
+        g = st.groups[k]
+        if g.ready[slot] or g.launched or st.reduced:
             raise RuntimeError(
                 "DeAR: a second backward pass before step(); accumulate gradients with DeAR.no_sync()"
             )
@@ -108,13 +127,12 @@ class ReduceScatterStage:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next_launch >= 0 and self._groups[self._next_launch].n_ready == len(
-            self._groups[self._next_launch].params
-        ):
-            self._launch_rs(self._groups[self._next_launch])
-            self._next_launch -= 1
+        st = self._state
+        while st.next_launch >= 0 and st.groups[st.next_launch].n_ready == len(st.groups[st.next_launch].params):
+            self._launch(st.groups[st.next_launch])
+            st.next_launch -= 1
 
-    def _launch_rs(self, g: FusionGroup) -> None:
+    def _launch(self, g: FusionGroup) -> None:
         for slot, ok in enumerate(g.ready):  # params without a gradient on this rank send zeros
             if not ok:
                 off = g.offsets[slot]
@@ -125,23 +143,22 @@ class ReduceScatterStage:
         g.skipped = False
         g.unscaled = False
         g.sel = None
-        count_dense(self, g.nbytes, self.world_size)
-        self._hook_unscale(g, g.grad_buf[: g.numel])
-        if self.grad_filter is not None:
-            self._filtered_scaled |= self._scaler is None
-            with self._timed("compress_seconds"):
+        count_dense(self._counters, g.nbytes, self._world_size)
+        self._amp.unscale_group(g)
+        if self._filter is not None:
+            with self._timers.timed("compress_seconds"):
                 self._run_filter(g)
             if g.skipped:
-                self.buckets_skipped += 1
+                self._counters.buckets_skipped += 1
                 return
         src, dst = (g.c_in, g.c_shard) if g.sel is not None else (g.grad_buf, g.shard)
-        g.rs_work = self.comm.reduce_scatter_async(dst, src)
-        count_bytes(self, src.numel() * src.element_size(), "reduce_scatter", self.world_size)
+        g.rs_work = self._comm.reduce_scatter_async(dst, src)
+        count_bytes(self._counters, src.numel() * src.element_size(), "reduce_scatter", self._world_size)
 
     def _run_filter(self, g: FusionGroup) -> None:
         """Call the ``grad_filter`` on ``g``'s flat gradient and apply its answer to ``g``."""
         flat = g.grad_buf[: g.numel]
-        out = self.grad_filter(flat, self.iteration, g.index)
+        out = self._filter(flat, self._counters.iteration, g.index)
         if out is False:
             g.skipped = True
         elif isinstance(out, StridedShard):
@@ -159,45 +176,47 @@ class ReduceScatterStage:
         n_flags = len(g.params)
         if not sel.values.is_floating_point():
             raise RuntimeError(f"StridedShard.values must be floating point, got {sel.values.dtype}")
-        padded = -(-(m + n_flags) // self.world_size) * self.world_size
+        P = self._world_size
+        padded = -(-(m + n_flags) // P) * P
         wire, dev = sel.values.dtype, g.grad_buf.device
         g.c_in = torch.zeros(padded, dtype=wire, device=dev)
         g.c_in[:m] = sel.values
         g.c_in[m:m + n_flags] = g.grad_buf[g.numel:g.numel + n_flags]
         if sel.averaged:
-            g.c_in[m:m + n_flags].div_(self.world_size)
-        g.c_shard = torch.zeros(padded // self.world_size, dtype=wire, device=dev)
+            g.c_in[m:m + n_flags].div_(P)
+        g.c_shard = torch.zeros(padded // P, dtype=wire, device=dev)
         g.c_out = torch.zeros(padded, dtype=wire, device=dev)
         g.sel = sel
 
-    def _finish_reduce(self) -> None:
-        """Launch the missing reduce-scatters, wait for all, average the shards (idempotent)."""
-        if self._reduced:
+    def finish(self) -> None:
+        """Launch the missing reduce-scatters, wait for all, average the shards (idempotent).
+        No update of the previous ``step()`` may be pending (its all-gathers read the shards)."""
+        st = self._state
+        if st.reduced:
             return
-        self._apply_through(len(self._groups) - 1)  # leftovers of the previous update
-        while self._next_launch >= 0:  # finalisation: same order on every rank
-            self._launch_rs(self._groups[self._next_launch])
-            self._next_launch -= 1
-        with self._timed("rs_wait_seconds"):
-            for g in reversed(self._groups):
+        while st.next_launch >= 0:  # finalisation: same order on every rank
+            self._launch(st.groups[st.next_launch])
+            st.next_launch -= 1
+        with self._timers.timed("rs_wait_seconds"):
+            for g in reversed(st.groups):
                 if g.rs_work is not None:
                     g.rs_work.wait()
                     g.rs_work = None
-        for g in self._groups:
+        for g in st.groups:
             if g.skipped:
                 g.gathered.zero_()
                 g.gathered[g.numel: g.numel + len(g.params)] = 1.0
             elif g.sel is None:
-                g.shard.div_(self.world_size)
+                g.shard.div_(self._world_size)
             elif not g.sel.averaged:
-                g.c_shard.div_(self.world_size)
+                g.c_shard.div_(self._world_size)
             g.ready = [False] * len(g.params)
             g.n_ready = 0
             g.launched = False
-        self._next_launch = len(self._groups) - 1
-        self._reduced = True
+        st.next_launch = len(st.groups) - 1
+        st.reduced = True
 
-    def _live_shards(self) -> list[torch.Tensor]:
-        """This rank's averaged gradient values of every sent group (views; may be empty)."""
-        return [g.shard_grads(self.rank, self.world_size) for g in self._groups if not g.skipped]
-
+    def discard(self) -> None:
+        """On a skipped step: drop this iteration's compact buffers (nothing is all-gathered)."""
+        for g in self._state.groups:
+            g.sel = g.c_in = g.c_shard = g.c_out = None

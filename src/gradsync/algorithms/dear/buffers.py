@@ -3,8 +3,8 @@
 As DDP's ``broadcast_buffers=True``, but with the one broadcast per iteration issued in ``step()``
 (never at a forward, so forwards run on some ranks only cannot desynchronise them): the broadcast
 values are staged and written into the buffers by the root module's forward-pre hook of the next
-training forward (see "Module buffers" in :mod:`gradsync.algorithms.dear`). :class:`BufferSync` is a
-base of :class:`~gradsync.algorithms.dear.DeAR`.
+training forward (see "Module buffers" in :mod:`gradsync.algorithms.dear`). :class:`BufferSync` is
+held by :class:`~gradsync.algorithms.dear.DeAR`.
 """
 
 from __future__ import annotations
@@ -15,69 +15,82 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .timing import WaitTimers
+
 
 class BufferSync:
-    """Staging and broadcast of module buffers of a DeAR wrapper.
+    """Staging and broadcast of rank 0's module buffers for a DeAR wrapper's training forwards.
 
-    Uses the host's ``model``, ``broadcast_buffers``, ``world_size``, ``rs_group``,
-    ``_mid_iteration()`` and ``_timed()``; owns ``_staged_buffers``.
+    Args:
+        model: the wrapped module (its ``buffers()``).
+        group: the process group of the per-iteration broadcast (DeAR's reduce-scatter group).
+        world_size: ``P`` (nothing is broadcast on one rank).
+        enabled: ``broadcast_buffers``: stage the broadcast values for the next training forward.
+        timers: adds the broadcast time to its counter ``buffer_seconds``.
     """
 
-    model: nn.Module
-    _staged_buffers: list[tuple[list[torch.Tensor], torch.Tensor]] | None
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, world_size: int, enabled: bool,
+                 timers: WaitTimers) -> None:
+        self._model = model
+        self._group = group
+        self._world_size = world_size
+        self._enabled = enabled
+        self._timers = timers
+        # rank 0's buffers for the training forwards until the next backward: [(buffers, flat copy)]
+        self._staged: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None
 
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
+    def root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        """Forward-pre hook of the root module: a training forward starts from the staged buffers."""
         # no collective here: the buffers were broadcast in step() (or when the wrapper was built)
-        if self._staged_buffers is not None and torch.is_grad_enabled() and module.training:
-            unflatten_into(self._staged_buffers)
+        if self._staged is not None and torch.is_grad_enabled() and module.training:
+            unflatten_into(self._staged)
 
-    def _drop_staged_buffers(self, *_: Any) -> None:
-        self._staged_buffers = None
+    def drop_staged(self, *_: Any) -> None:
+        """Forget the staged buffers (a backward started, or buffers were loaded): later forwards keep
+        their local buffers. Takes and ignores a hook's arguments."""
+        self._staged = None
 
-    def _stage_buffers(self, staged: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
-        """Keep ``staged`` (rank 0's buffers) for the training forwards until the next backward."""
-        if self.broadcast_buffers and self.world_size > 1 and staged:
-            self._staged_buffers = staged
+    def stage(self, staged: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
+        """Keep ``staged`` (rank 0's buffers, :func:`flatten`'s format) for the training forwards
+        until the next backward (with ``enabled``, on more than one rank)."""
+        if self._enabled and self._world_size > 1 and staged:
+            self._staged = staged
 
-    def _broadcast_buffers(self, group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-        """Rank 0's buffers, broadcast on ``group`` (the model's buffers are not written)."""
-        buffers = list(self.model.buffers())
+    def stage_next_forward(self) -> None:
+        """At ``step()`` (with ``enabled``, on more than one rank): broadcast rank 0's buffers and
+        stage them for the next training forward. Collective."""
+        if self._enabled and self._world_size > 1:
+            self.stage(self._broadcast())
+
+    def sync(self) -> None:
+        """Write rank 0's current buffers into every rank's model now and stage them. Collective."""
+        if self._world_size > 1:
+            staged = self._broadcast()
+            unflatten_into(staged)
+            self.stage(staged)
+
+    def _broadcast(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """Rank 0's buffers, broadcast on the group (the model's buffers are not written)."""
+        buffers = list(self._model.buffers())
         if not buffers:
             return []
-        with self._timed("buffer_seconds"):
-            return self._broadcast_flat(buffers, group)
+        with self._timers.timed("buffer_seconds"):
+            return broadcast_flat(buffers, self._group)
 
-    def _broadcast(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-        """Synchronous broadcast of ``tensors`` from the group's rank 0, in place."""
-        unflatten_into(self._broadcast_flat(tensors, group))
 
-    @staticmethod
-    def _broadcast_flat(tensors: list[torch.Tensor],
-                        group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-        """Coalesced synchronous broadcast from the group's rank 0, one flat tensor per dtype and
-        device: ``[(tensors, rank 0's values flattened)]``; ``tensors`` are not written."""
-        out = flatten(tensors)
-        for _, flat in out:
-            dist.broadcast(flat, group=group, group_src=0)
-        return out
+def broadcast_into(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Synchronous broadcast of ``tensors`` from the group's rank 0, in place."""
+    unflatten_into(broadcast_flat(tensors, group))
 
-    def sync_buffers(self) -> None:
-        """Give every rank rank 0's current module buffers now, and make them the ones the next
-        training forward starts from (see "Module buffers" in the module docstring).
 
-        Call it on every rank, between iterations (after ``step()``), after forwards that changed the
-        buffers since ``step()`` and whose changes should be kept, e.g. a BatchNorm recalibration pass
-        under ``no_grad``. One coalesced broadcast per buffer dtype; nothing on one rank.
-
-        Raises:
-            RuntimeError: if called between a backward pass and ``step()``.
-        """
-        if self._mid_iteration():
-            raise RuntimeError("sync_buffers must be called between iterations (after step())")
-        if self.world_size > 1:
-            staged = self._broadcast_buffers(self.rs_group)
-            unflatten_into(staged)
-            self._stage_buffers(staged)
+def broadcast_flat(tensors: list[torch.Tensor],
+                   group: dist.ProcessGroup | None) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Coalesced synchronous broadcast from the group's rank 0, one flat tensor per dtype and
+    device: ``[(tensors, rank 0's values flattened)]``; ``tensors`` are not written."""
+    out = flatten(tensors)
+    for _, flat in out:
+        dist.broadcast(flat, group=group, group_src=0)
+    return out
 
 
 def flatten(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
@@ -90,7 +103,7 @@ def flatten(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], torch
 
 
 def unflatten_into(staged: list[tuple[list[torch.Tensor], torch.Tensor]]) -> None:
-    """Copy each flat tensor of :meth:`BufferSync._broadcast_flat`'s result back into its tensors."""
+    """Copy each flat tensor of :func:`broadcast_flat`'s (or :func:`flatten`'s) result back into its tensors."""
     with torch.no_grad():
         for ts, flat in staged:
             off = 0

@@ -4,7 +4,7 @@ From a parameter's backward hook until DeAR applies the averaged gradient in the
 ``p.grad`` is a storage-less :class:`DeARGradPlaceholder`: any computation on it raises
 ``RuntimeError`` naming the DeAR method to use (zeroing it is allowed and does nothing). The wrapped
 optimizer's ``step`` raises while guarded and its ``zero_grad`` drops the placeholders
-(:class:`OptimizerGuard`, a base of :class:`~gradsync.algorithms.dear.DeAR`).
+(:class:`OptimizerGuard`, held by :class:`~gradsync.algorithms.dear.DeAR`).
 """
 
 from __future__ import annotations
@@ -58,57 +58,81 @@ def is_placeholder(t: Any) -> bool:
     return isinstance(t, DeARGradPlaceholder)
 
 
-
 class OptimizerGuard:
-    """Wraps ``optimizer.step`` / ``optimizer.zero_grad`` of a DeAR wrapper.
+    """The user's optimizer as DeAR drives it: ``optimizer.step`` raises while guarded, and
+    ``optimizer.zero_grad`` drops DeAR's placeholders first; DeAR steps it on one group's parameters
+    at a time (:meth:`step_groups`).
 
-    Uses the host's ``optimizer`` and ``_modules`` (``[(module, [trainable params])]``); sets
-    ``_opt_step`` / ``_opt_zero_grad`` (the unwrapped methods DeAR calls) and ``_guard_on``.
+    Args:
+        optimizer: the user's ``torch.optim.Optimizer``.
+        params: every parameter DeAR synchronises (whose ``p.grad`` may be a placeholder).
     """
 
-    optimizer: torch.optim.Optimizer
-    _modules: list[tuple[Any, list[torch.Tensor]]]
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self._params = params
+        self._guard_on = False
+        self._opt_step: Any = None  # the methods DeAR calls (class methods or a scheduler's wrappers)
+        self._opt_zero_grad: Any = None
+        self._saved_opt_attrs: dict[str, Any] = {}
 
-    def _guard_optimizer(self) -> None:
+    def install(self) -> None:
         """Wrap ``optimizer.step`` (raises while guarded) and ``optimizer.zero_grad`` (drops placeholders).
 
         Both are bound methods on the instance, so an LR scheduler built later can wrap them again
         (it needs ``step.__func__``)."""
         opt = self.optimizer
-        self._opt_step = opt.step  # what DeAR calls per group (class method or a scheduler's wrapper)
+        self._opt_step = opt.step
         self._opt_zero_grad = opt.zero_grad
         self._saved_opt_attrs = {k: opt.__dict__[k] for k in ("step", "zero_grad") if k in opt.__dict__}
         self._guard_on = True
-        dear = self
+        guard = self
 
         def step(_opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            if dear._guard_on:
+            if guard._guard_on:
                 raise RuntimeError(
                     "optimizer.step() on an optimizer wrapped by DeAR: call DeAR.step() (with a "
                     "GradScaler: DeAR.step(scaler), not scaler.step(optimizer)); DeAR applies the "
                     "averaged update itself in the next forward"
                 )
-            return dear._opt_step(*args, **kwargs)
+            return guard._opt_step(*args, **kwargs)
 
         def zero_grad(_opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            dear._drop_placeholders()
-            dear._opt_zero_grad(set_to_none=set_to_none)
+            guard.zero_grad(set_to_none)
 
         opt.step = types.MethodType(step, opt)  # type: ignore[method-assign]
         opt.zero_grad = types.MethodType(zero_grad, opt)  # type: ignore[method-assign]
 
-    def _drop_placeholders(self) -> None:
-        for _, ps in self._modules:
-            for p in ps:
-                if is_placeholder(p.grad):
-                    p.grad = None
+    def step_groups(self, param_groups: list[dict[str, Any]]) -> None:
+        """Run the optimizer's own ``step()`` with ``optimizer.param_groups`` replaced by
+        ``param_groups`` for the call (then restored)."""
+        saved = self.optimizer.param_groups
+        self.optimizer.param_groups = param_groups
+        try:
+            self._opt_step()
+        finally:
+            self.optimizer.param_groups = saved
 
+    def mark_stepped(self) -> None:
+        """Tell an LR scheduler that this iteration's optimizer step happened (DeAR applies it later)."""
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def _unguard_optimizer(self) -> None:
-        """Undo :meth:`_guard_optimizer` (unless a later wrapper, e.g. a scheduler's, replaced it)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the placeholders, then the optimizer's own ``zero_grad(set_to_none)``."""
+        self.drop_placeholders()
+        self._opt_zero_grad(set_to_none=set_to_none)
+
+    def drop_placeholders(self) -> None:
+        """Set every placeholder ``p.grad`` to ``None``."""
+        for p in self._params:
+            if is_placeholder(p.grad):
+                p.grad = None
+
+    def remove(self) -> None:
+        """Undo :meth:`install` (unless a later wrapper, e.g. a scheduler's, replaced it)."""
         self._guard_on = False
         opt = self.optimizer
-        prefix = OptimizerGuard._guard_optimizer.__qualname__ + "."
+        prefix = OptimizerGuard.install.__qualname__ + "."
         for name in ("step", "zero_grad"):
             cur = opt.__dict__.get(name)
             if isinstance(cur, types.MethodType) and cur.__self__ is opt and cur.__func__.__qualname__.startswith(

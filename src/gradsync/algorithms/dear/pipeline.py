@@ -1,12 +1,12 @@
-"""DeAR's pipeline: :class:`DeAR` builds the fusion groups, hooks and process groups, ends each iteration
-in :meth:`DeAR.step` and holds the public API. Its parts: :mod:`.arguments` (argument checks),
-:mod:`.backward` (reduce-scatter), :mod:`.forward` (all-gather and lazy update), :mod:`.amp` (loss
-scaling, clipping), :mod:`.buffers` (module buffers), :mod:`.guard` (placeholder gradient, optimizer
-guard), :mod:`.communicator` (process groups, ring or native), :mod:`.timing` (wait timers). Source and
-semantics: :mod:`gradsync.algorithms.dear`."""
+"""DeAR's pipeline: :class:`DeAR` holds the public API, its :class:`~.communicator.Communicator`, its
+tuner and its collaborators (:class:`~.parts.Parts`: :mod:`.backward` reduce-scatter stage, :mod:`.forward`
+all-gather stage, :mod:`.amp` loss scaling and clipping, :mod:`.buffers` module buffers, :mod:`.guard`
+optimizer guard, :mod:`.timing` wait timers, sharing one :mod:`.state`), and cuts the fusion groups
+(:mod:`.groups`). Argument checks: :mod:`.arguments`. Source and semantics: :mod:`gradsync.algorithms.dear`."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any
 
@@ -16,20 +16,19 @@ from torch import nn
 
 from ...tuning.fusion import FusionTuner
 from ...validation import check_float
-from ..base import counter_stats, init_counters
+from ..base import counter_stats
 from ..protocol import Algorithm
-from .amp import LossScaling, check_scaler, record_found_inf
+from .amp import check_clip, check_scaler, clip_shards
 from .arguments import check_arguments, optimizer_group_of, tuner_for
-from .backward import GradFilter, ReduceScatterStage
-from .buffers import BufferSync, flatten
+from .backward import GradFilter
+from .buffers import broadcast_into, flatten
 from .communicator import Communicator
-from .forward import AllGatherStage
-from .groups import MAX_FUSION_MB, FusionGroup, build_groups, trainable_modules
-from .guard import OptimizerGuard
-from .timing import MAX_TIMING_EVENTS, WaitTimers
+from .groups import MAX_FUSION_MB, build_groups, trainable_modules
+from .parts import build_parts
+from .state import Counters, counter_property
 
 
-class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, OptimizerGuard, WaitTimers):
+class DeAR:
     """Data-parallel training with DeAR's decoupled reduce-scatter / all-gather pipeline.
 
     Use it in place of ``DistributedDataParallel`` + ``optimizer.step()``::
@@ -102,24 +101,12 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         RuntimeError: if ``torch.distributed`` is not initialised.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        process_group: dist.ProcessGroup | None = None,
-        fusion_mb: float | str = 25.0,
-        *,
-        broadcast_buffers: bool = True,
-        max_allgathers: int | str = "auto",
-        grad_filter: GradFilter | None = None,
-        tune_trials: int = 10,
-        tune_window: int = 5,
-        tune_warmup: int | None = None,
-        seed: int = 0,
-        timeout: timedelta | None = None,
-        grad_scaler: torch.amp.GradScaler | None = None,
-        reduce_scatter: str = "auto",
-    ):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 process_group: dist.ProcessGroup | None = None, fusion_mb: float | str = 25.0, *,
+                 broadcast_buffers: bool = True, max_allgathers: int | str = "auto",
+                 grad_filter: GradFilter | None = None, tune_trials: int = 10, tune_window: int = 5,
+                 tune_warmup: int | None = None, seed: int = 0, timeout: timedelta | None = None,
+                 grad_scaler: torch.amp.GradScaler | None = None, reduce_scatter: str = "auto"):
         # ---- argument checks (before any collective) ----
         fusion_mb, reduce_scatter, max_allgathers = check_arguments(
             model, optimizer, fusion_mb, grad_filter, broadcast_buffers, grad_scaler, reduce_scatter, max_allgathers)
@@ -144,74 +131,28 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         self.rank = dist.get_rank(process_group)
         self._user_group_of = {id(p): opt_params[id(p)] for _, ps in self._modules for p in ps}
         self._device = self._modules[0][1][0].device
+        params = [p for _, ps in self._modules for p in ps]
 
-        # ---- process groups: one for reduce-scatter, one for all-gather ----
+        # ---- process groups (one for reduce-scatter, one for all-gather), collaborators, fusion groups ----
         self.comm = Communicator(process_group, timeout, reduce_scatter, max_allgathers)
         if self._tuner is not None:
             self._tuner.process_group = self.rs_group
-
-        # ---- counters ----
-        init_counters(self)
-        self.rs_wait_seconds = 0.0
-        self.ag_wait_seconds = 0.0
-        self.buffer_seconds = 0.0
-        # on CUDA the waits and the filter are timed by events on the current stream, read lazily:
-        # [(counter name, start event, end event)]
-        self._cuda_timing = self._device.type == "cuda"
-        self._timing_events: list[tuple[str, Any, Any]] = []
-        self.steps_skipped = 0  # optimizer steps skipped by the loss scaler (inf/nan gradients)
-        # rank 0's buffers (broadcast by step() or at construction) for the training forwards until
-        # the next backward: [(buffers, flat copy)]
-        self._staged_buffers: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None
-
-        # ---- pipeline state ----
-        self._groups: list[FusionGroup] = []
-        self._module_group: dict[int, int] = {}
-        self._param_loc: dict[int, tuple[int, int]] = {}
-        self._next_launch = -1  # highest group index not launched yet in this backward
-        self._pending = False  # an update from the last step() is not fully applied yet
-        self._next_apply = 0
-        self._next_ag = 0
-        self._ag_inflight = 0  # all-gathers launched and not yet waited for
-        self._hparams: list[dict[str, Any]] = []
-        self._no_sync = False
-        self._reduced = False  # this iteration's reduce-scatters are done and averaged
-        self._scaler: torch.amp.GradScaler | None = grad_scaler
-        self._filtered_scaled = False  # the grad_filter ran while no GradScaler was known
-        self._inv_scale: torch.Tensor | None = None  # 1 / scale used by the hooks this iteration
-        self._found_inf: torch.Tensor | None = None  # (1,) float32 on the device: local, then global
-        self._found_inf_global = False  # _found_inf was all-reduced
+        self._parts = build_parts(model, optimizer, params, self.comm, grad_filter, grad_scaler, broadcast_buffers,
+                                  self.rank, self.world_size)
+        self._state = self._parts.state
         self._build_groups(self.fusion_mb)
 
-        # ---- initial state from rank 0, as DDP ----
-        self._broadcast(list(model.parameters()) + list(model.buffers()), process_group)
-        self._stage_buffers(flatten(list(model.buffers())))  # copies: the first forward starts here
-
-        # ---- hooks ----
-        self._handles: list[Any] = []
-        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook, prepend=True))
-        for m in model.modules():  # loading buffers (e.g. a checkpoint) makes step()'s broadcast stale
-            self._handles.append(m.register_load_state_dict_pre_hook(self._drop_staged_buffers))
-        for m, _ in self._modules:
-            self._handles.append(m.register_forward_pre_hook(self._module_pre_hook))
-        for _, ps in self._modules:
-            for p in ps:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook))
-        self._guard_optimizer()
+        # ---- initial state from rank 0, as DDP; hooks ----
+        broadcast_into(list(model.parameters()) + list(model.buffers()), process_group)
+        self._parts.buffers.stage(flatten(list(model.buffers())))  # copies: the first forward starts here
+        self._handles = self._parts.register_hooks(model, self._modules)
 
     # ------------------------------------------------------------------ grouping (tensor fusion)
     def _build_groups(self, fusion_mb: float) -> None:
         """Apply any pending update, then cut the fusion groups with threshold ``fusion_mb`` (MB)."""
         self.flush()
         self.fusion_mb = float(fusion_mb)
-        layout = build_groups(self._modules, self.fusion_mb, self.world_size, self._user_group_of)
-        self._groups = layout.groups
-        self._module_group = layout.module_group
-        self._param_loc = layout.param_loc
-        self._next_launch = len(self._groups) - 1
-
-    def _mid_iteration(self) -> bool:
-        return self._reduced or any(g.launched or g.n_ready for g in self._groups)
+        self._state.set_layout(build_groups(self._modules, self.fusion_mb, self.world_size, self._user_group_of))
 
     def set_fusion_mb(self, fusion_mb: float) -> None:
         """Apply any pending update (:meth:`flush`), then regroup with a new threshold (MB).
@@ -224,7 +165,7 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
             RuntimeError: if called between a backward pass and ``step()``.
         """
         fusion_mb = check_float("fusion_mb", fusion_mb, 0.0, MAX_FUSION_MB, low_inclusive=False)
-        if self._mid_iteration():
+        if self._state.mid_iteration():
             raise RuntimeError("set_fusion_mb must be called after step(), not during an iteration")
         self._build_groups(fusion_mb)
 
@@ -250,46 +191,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
                 ``grad_filter`` already saw loss-scaled gradients (pass it at construction).
         """
         check_scaler("scaler", scaler)
-        self._adopt_scaler(scaler)
-        scaler = self._scaler
-        self._finish_reduce()
-        skip = False
-        if scaler is not None and scaler.is_enabled():
-            self._unscale(scaler)
-            found = self._found_inf
-            record_found_inf(scaler, self.optimizer, found)
-            scaler.update()
-            skip = bool(found.item() > 0)
-        self._reduced = False
-        self._inv_scale = None
-        self._found_inf = None
-        self._found_inf_global = False
-        self.iteration += 1
-        if skip:
-            self.steps_skipped += 1
-            self.filter_state.rollback()  # a skipped step changes no filter state (residuals)
-            self._drop_placeholders()
-            for g in self._groups:
-                g.sel = g.c_in = g.c_shard = g.c_out = None
-        else:
-            # hyper-parameters as they are now (before any scheduler.step() of this iteration)
-            self._hparams = [
-                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in pg.items() if k != "params"}
-                for pg in self.optimizer.param_groups
-            ]
-            # the update is applied later, but it is this iteration's optimizer step for a scheduler
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]
-            self._pending = True
-            self._next_apply = 0
-            self._next_ag = 0
-        # the next forward's buffer broadcast, every iteration (never decided by local state), while
-        # the link is idle (every reduce-scatter is done); the buffers are written at that forward
-        if self.broadcast_buffers and self.world_size > 1:
-            self._stage_buffers(self._broadcast_buffers(self.rs_group))
-        if not skip:
-            self._launch_next_ag()
-        if self._timing_events:
-            self._read_timings(wait=len(self._timing_events) > MAX_TIMING_EVENTS)
+        self._parts.amp.adopt(scaler)
+        self._parts.end_iteration(self.optimizer, self.filter_state)
         if self._tuner is not None:
             new_mb = self._tuner.observe()
             if new_mb is not None:
@@ -303,12 +206,11 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         parameters equal those of DDP + the same optimizer after the same number of steps. Cheap
         when nothing is pending. Every rank must call it (it waits for collectives).
         """
-        self._apply_through(len(self._groups) - 1)
+        self._parts.ag.flush()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: ``optimizer.zero_grad(set_to_none)`` (DeAR's placeholders become ``None``)."""
-        self._drop_placeholders()
-        self._opt_zero_grad(set_to_none=set_to_none)
+        self._parts.guard.zero_grad(set_to_none)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run ``model(*args, **kwargs)``."""
@@ -317,11 +219,11 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
     @property
     def num_groups(self) -> int:
         """Number of fusion groups (buckets) in use."""
-        return len(self._groups)
+        return len(self._state.groups)
 
     def group_sizes(self) -> list[int]:
         """Gradient elements per fusion group, in group (forward) order."""
-        return [g.numel for g in self._groups]
+        return [g.numel for g in self._state.groups]
 
     @property
     def tuner(self) -> FusionTuner | None:
@@ -351,16 +253,17 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         (``"ring"`` or ``"native"``); ``fusion_mb`` (threshold in
         use, MB); ``num_groups``; with ``fusion_mb="auto"`` also ``tuning`` (:meth:`FusionTuner.report`).
         """
-        self._read_timings(wait=True)
+        self._parts.timers.read(wait=True)
+        c = self._parts.counters
         out: dict[str, Any] = {
-            **counter_stats(self),
-            "rs_wait_seconds": self.rs_wait_seconds,
-            "ag_wait_seconds": self.ag_wait_seconds,
-            "buffer_broadcast_seconds": self.buffer_seconds,
-            "steps_skipped": self.steps_skipped,
+            **counter_stats(c),
+            "rs_wait_seconds": c.rs_wait_seconds,
+            "ag_wait_seconds": c.ag_wait_seconds,
+            "buffer_broadcast_seconds": c.buffer_seconds,
+            "steps_skipped": c.steps_skipped,
             "reduce_scatter": self.reduce_scatter,
             "fusion_mb": self.fusion_mb,
-            "num_groups": len(self._groups),
+            "num_groups": len(self._state.groups),
         }
         if self._tuner is not None:
             out["tuning"] = self._tuner.report()
@@ -400,7 +303,7 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         Raises:
             RuntimeError: if called between a backward pass and ``step()``.
         """
-        if self._mid_iteration():
+        if self._state.mid_iteration():
             raise RuntimeError("load_state_dict must be called between iterations")
         self.flush()
         if "model" in state:  # absent where the caller restores model and optimizer itself
@@ -415,18 +318,103 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
         if d.get("grad_filter"):  # None or {}: saved without filter state
             self.filter_state.load_state_dict(d["grad_filter"])
         if self.broadcast_buffers:  # per-rank checkpoints hold each rank's own statistics
-            self.sync_buffers()
+            self._parts.buffers.sync()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Accumulate gradients locally, as ``DistributedDataParallel.no_sync``.
+
+        Backward passes inside the context only accumulate into ``p.grad`` (no communication); the
+        first backward pass outside it adds its gradients and synchronises the sum, which the next
+        :meth:`step` averages over ranks. Usage::
+
+            with dear.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(dear(x), y).backward()
+            loss_fn(dear(*micro_batches[-1]), ...).backward()
+            dear.step()
+        """
+        return self._parts.rs.no_sync()
+
+    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
+        """Finish this iteration's reduction and divide the averaged gradients by the loss scale.
+
+        The counterpart of ``scaler.unscale_(optimizer)``: call it (or pass ``grad_scaler`` at
+        construction) before :meth:`clip_grad_norm_` when the loss was scaled. Non-finite values are
+        detected on every rank's shards and the flag is all-reduced (MAX) over the group, so every
+        rank skips the same steps. Idempotent within an iteration; remembers ``scaler`` for later
+        iterations. Collective: every rank must call it.
+
+        Raises:
+            ValueError: if ``scaler`` is not a ``torch.amp.GradScaler``, is not the GradScaler in use
+                (given at construction or earlier), or comes after a ``grad_filter`` already saw
+                loss-scaled gradients (pass it at construction).
+            RuntimeError: if the scaler has no scale yet (``scaler.scale(loss)`` was not called).
+        """
+        check_scaler("scaler", scaler, allow_none=False)
+        self._parts.amp.adopt(scaler)
+        if scaler.is_enabled():  # a disabled scaler leaves the reduction to step()
+            self._parts.finish_reduce()
+        self._parts.amp.unscale(scaler)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, like DDP + ``torch.nn.utils.clip_grad_norm_``.
+
+        Call it after ``backward()`` and before :meth:`step`. It finishes this iteration's
+        reduce-scatters, computes ``||g||_p`` over all averaged gradients (each rank holds ``1/P`` of
+        them: local sums of ``|g|^p``, or the local max for ``p = inf``, are all-reduced), and
+        multiplies every gradient by ``min(1, max_norm / (total + 1e-6))`` before the all-gather.
+        With a known GradScaler (``grad_scaler=`` or an earlier :meth:`unscale_` / ``step(scaler)``)
+        the gradients are unscaled first. Collective: every rank must call it.
+
+        Args:
+            max_norm: maximum norm, finite and >= 0.
+            norm_type: ``p`` of the p-norm, > 0 (``float("inf")`` for the max norm).
+
+        Returns:
+            the total norm before clipping, a 0-d tensor on the parameters' device (float32 for
+            float32/float16/bfloat16 gradients; computed in float32); inf/nan when gradients are
+            not finite (the step is then skipped by ``step(scaler)``, as with torch).
+
+        Raises:
+            ValueError: for ``max_norm`` or ``norm_type`` out of range.
+        """
+        max_norm, norm_type = check_clip(max_norm, norm_type)
+        self._parts.finish_reduce()
+        if self._parts.amp.scaler is not None:
+            self._parts.amp.unscale(self._parts.amp.scaler)
+        shards = [g.shard_grads(self.rank, self.world_size) for g in self._state.groups if not g.skipped]
+        return clip_shards(shards, max_norm, norm_type, self.rs_group, self._device)
+
+    @property
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """The GradScaler in use (given at construction or to :meth:`step` / :meth:`unscale_`)."""
+        return self._parts.amp.scaler
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's current module buffers now, and make them the ones the next
+        training forward starts from (see "Module buffers" in :mod:`gradsync.algorithms.dear`).
+
+        Call it on every rank, between iterations (after ``step()``), after forwards that changed the
+        buffers since ``step()`` and whose changes should be kept, e.g. a BatchNorm recalibration pass
+        under ``no_grad``. One coalesced broadcast per buffer dtype; nothing on one rank.
+
+        Raises:
+            RuntimeError: if called between a backward pass and ``step()``.
+        """
+        if self._state.mid_iteration():
+            raise RuntimeError("sync_buffers must be called between iterations (after step())")
+        self._parts.buffers.sync()
 
     def remove_hooks(self) -> None:
         """Flush, then remove every hook and the optimizer guard; the model then trains as a plain
         local module with its optimizer."""
         self.flush()
-        self._drop_placeholders()
+        self._parts.guard.drop_placeholders()
         for h in self._handles:
             h.remove()
         self._handles = []
         self.comm.close()
-        self._unguard_optimizer()
+        self._parts.guard.remove()
 
     # ------------------------------------------------------------------ communicator
     @property
@@ -448,3 +436,8 @@ class DeAR(ReduceScatterStage, AllGatherStage, LossScaling, BufferSync, Optimize
     def max_allgathers(self) -> int:
         """All-gathers kept in flight during the next forward."""
         return self.comm.max_allgathers
+
+
+for _name in vars(Counters()):  # the counters stay attributes of the wrapper (dear.iteration, ...)
+    setattr(DeAR, _name, counter_property(_name))
+del _name

@@ -2,7 +2,8 @@
 
 On CUDA a ``.wait()`` returns at once on the host; what matters is how long the current stream
 stalls on the collective (exposed communication), measured by a pair of CUDA events read lazily
-(no host sync in the hooks). :class:`WaitTimers` is a base of :class:`~gradsync.algorithms.dear.DeAR`.
+(no host sync in the hooks). :class:`WaitTimers` is held by :class:`~gradsync.algorithms.dear.DeAR`
+and passed to the stages it times.
 """
 
 from __future__ import annotations
@@ -19,26 +20,33 @@ MAX_TIMING_EVENTS = 4096
 
 
 class WaitTimers:
-    """Adds the duration of timed blocks to float counters (seconds) of the host.
+    """Adds the duration of timed blocks to float counters (seconds) of ``counters``.
 
-    Uses the host's ``_cuda_timing`` (bool), ``_device`` and ``_timing_events``
-    (``[(counter name, start event, end event)]``).
+    Args:
+        counters: the object holding the counters (e.g. :class:`~gradsync.algorithms.dear.state.Counters`):
+            :meth:`timed`'s ``counter`` names one of its float attributes.
+        device: the parameters' device; on CUDA the blocks are timed by events on its current stream.
     """
 
-    _cuda_timing: bool
-    _device: torch.device
-    _timing_events: list[tuple[str, Any, Any]]
+    def __init__(self, counters: Any, device: torch.device) -> None:
+        self._counters = counters
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._events: list[tuple[str, Any, Any]] = []  # [(counter name, start event, end event)]
+
+    def _add(self, counter: str, seconds: float) -> None:
+        setattr(self._counters, counter, getattr(self._counters, counter) + seconds)
 
     @contextlib.contextmanager
-    def _timed(self, counter: str) -> Iterator[None]:
-        """Add the duration of the block to the float attribute ``counter`` (seconds). On CPU: wall
+    def timed(self, counter: str) -> Iterator[None]:
+        """Add the duration of the block to the float counter ``counter`` (seconds). On CPU: wall
         clock. On CUDA: the time the current stream takes to pass the block's work (for a
         ``.wait()``, how long the stream stalls on the collective: exposed communication), from a
-        pair of CUDA events read later by :meth:`_read_timings` (no host sync here)."""
-        if not self._cuda_timing:
+        pair of CUDA events read later by :meth:`read` (no host sync here)."""
+        if not self._cuda:
             t0 = time.perf_counter()
             yield
-            setattr(self, counter, getattr(self, counter) + time.perf_counter() - t0)
+            self._add(counter, time.perf_counter() - t0)
             return
         stream = torch.cuda.current_stream(self._device)
         start = torch.cuda.Event(enable_timing=True)
@@ -46,16 +54,22 @@ class WaitTimers:
         yield
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
-        self._timing_events.append((counter, start, end))
+        self._events.append((counter, start, end))
 
-    def _read_timings(self, wait: bool) -> None:
+    def read(self, wait: bool) -> None:
         """Add the elapsed time of recorded CUDA event pairs to their counters: all of them
         (``wait``, synchronising on the last) or those already completed (no host sync)."""
         done = 0
-        for counter, start, end in self._timing_events:
+        for counter, start, end in self._events:
             if not wait and not end.query():
                 break
             end.synchronize()
-            setattr(self, counter, getattr(self, counter) + start.elapsed_time(end) / 1e3)
+            self._add(counter, start.elapsed_time(end) / 1e3)
             done += 1
-        del self._timing_events[:done]
+        del self._events[:done]
+
+    def poll(self) -> None:
+        """Once per iteration: read the completed event pairs (no host sync), or all of them once
+        more than :data:`MAX_TIMING_EVENTS` are unread."""
+        if self._events:
+            self.read(wait=len(self._events) > MAX_TIMING_EVENTS)
