@@ -160,3 +160,25 @@ def test_optimizer_factory_rebuilds_the_jobs_optimizer_adamw_included():
         assert got == family and type(copy) is type(opt)
         keys = ("lr", "weight_decay")
         assert {k: copy.defaults[k] for k in keys} == {k: opt.defaults[k] for k in keys}
+
+
+def _copies(rank, world):
+    from gradsync.comm.agreement import replicas_agree
+    from gradsync.profiler.probe import _ddp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    same = replicas_agree(model)
+    with torch.no_grad():
+        if rank == 1:
+            model[1].running_mean[0] += 1e-7  # a buffer, one element, the last bits
+    differ = replicas_agree(model)
+    _ddp(model, None, 25.0)  # differing replicas: DDP still broadcasts rank 0's state
+    return same, differ, replicas_agree(model), model[1].running_mean.tolist()
+
+
+def test_a_probe_copy_skips_ddps_broadcast_only_where_every_rank_holds_the_same_state():
+    (same, differ, after, mean0), (same1, differ1, after1, mean1) = run_ranks(_copies, 2, timeout=120)
+    assert same and same1, "equal replicas agree on every rank"
+    assert not differ and not differ1, "one element of one buffer on one rank is a disagreement, on every rank"
+    assert after and after1 and mean0 == mean1 == [0.0, 0.0, 0.0], "the differing copy got rank 0's state"

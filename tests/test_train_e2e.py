@@ -119,7 +119,7 @@ def test_config_validation(kwargs, name):
 def test_kjv_lstm_trains_and_reports_bits_per_char(tmp_path):
     out = tmp_path / "run"
     proc = run_cli(["train", "--workload", "kjv-lstm", "--algorithm", "topk", "--density", "0.1",
-                    "--max-steps", "8", "--no-progress", "--out", str(out)],
+                    "--max-steps", "8", "--no-progress", "--eval-samples", "128", "--out", str(out)],
                     timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((out / "metrics.json").read_text())["summary"]

@@ -1,8 +1,10 @@
-"""Start-up check that every rank runs the same algorithm configuration.
+"""Start-up checks that every rank holds the same thing, by all-gathering 32-byte SHA-256 digests.
 
-A mismatch (say rank 1 compresses at K=4 and rank 0 at K=3) would launch collectives of different
-sizes and hang the job; instead each rank all-gathers a SHA-256 digest of its configuration and, on
-a mismatch, all-gathers the configurations to name the differing fields, then raises on every rank.
+* :func:`check_config_agreement`: the same algorithm configuration. A mismatch (say rank 1 compresses
+  at K=4 and rank 0 at K=3) would launch collectives of different sizes and hang the job; on a
+  mismatch the configurations are all-gathered to name the differing fields, then every rank raises.
+* :func:`replicas_agree`: the same module parameters and buffers, bit for bit (whether a copy of a
+  replica may skip DDP's broadcast of rank 0's state at construction).
 """
 
 from __future__ import annotations
@@ -34,6 +36,28 @@ def config_digest(config: Mapping[str, Any]) -> bytes:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).digest()
 
 
+def _digests_agree(digest: bytes, group: dist.ProcessGroup | None) -> bool:
+    """Collective: whether every rank's 32-byte ``digest`` equals this rank's (one all-gather of 32
+    bytes per rank, on :func:`~gradsync.comm.collectives.collective_device` of ``group``)."""
+    world = dist.get_world_size(group)
+    device = collective_device(group)
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
+    all_gather_flat(gathered, mine, group=group)
+    return all(torch.equal(gathered.view(world, -1)[r], mine) for r in range(world))
+
+
+def replicas_agree(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> bool:
+    """Collective: whether ``module``'s parameters and buffers are bitwise equal on every rank of
+    ``group``, the same answer on every rank: one SHA-256 over every tensor's bytes (copied to the host),
+    then one all-gather of 32 bytes per rank. Hashing costs about 1 ms per MB of state where a DDP
+    broadcast of it costs the network's time (0.8 s per MB at 10 Mbit/s)."""
+    h = hashlib.sha256()
+    for t in (*module.parameters(), *module.buffers()):
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return _digests_agree(h.digest(), group)
+
+
 def check_config_agreement(config: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> None:
     """Collective: raise :class:`ConfigMismatchError` on every rank unless all configs are equal.
 
@@ -44,13 +68,9 @@ def check_config_agreement(config: Mapping[str, Any], group: dist.ProcessGroup |
     Raises:
         ConfigMismatchError: naming each differing field and its value on every rank.
     """
-    world = dist.get_world_size(group)
-    device = collective_device(group)
-    mine = torch.frombuffer(bytearray(config_digest(config)), dtype=torch.uint8).to(device)
-    gathered = torch.empty(world * mine.numel(), dtype=torch.uint8, device=device)
-    all_gather_flat(gathered, mine, group=group)
-    if all(torch.equal(gathered.view(world, -1)[r], mine) for r in range(world)):
+    if _digests_agree(config_digest(config), group):
         return
+    world = dist.get_world_size(group)
     configs: list[Any] = [None] * world
     dist.all_gather_object(configs, dict(config), group=group)
     keys = sorted(set().union(*(c.keys() for c in configs)))
