@@ -21,12 +21,13 @@ a bare module; the state saved and loaded as a user script does, ``torch.save`` 
 ``torch.load(weights_only=True)``), and, on every_algorithm's MLP and batches with DDP's
 ``bucket_cap_mb=0.01`` (this file run under ``torchrun`` as a script; the integrations refuse the
 algorithms in :data:`INTEGRATION_REFUSALS`): Accelerate (``register_hook`` + ``HookCheckpoint``,
-``accelerator.save_state`` / ``load_state``) and Lightning (``GradsyncHook``; 2 epochs of 3 steps,
-``ModelCheckpoint`` after each epoch, ``trainer.fit(ckpt_path=...)`` from the first). These rows
-compare the losses of steps 4-6, the parameters after step 6 (their sum of squares in float64, printed
-exactly) and the wire and dense bytes of steps 4-6 (the hook state's ``stats()``), bitwise. Not here:
-the Hugging Face Trainer (its resume is checked for COVAP in ``test_transformers_trainer.py``). The
-CUDA rows are in ``tests/test_cuda_nccl.py``.
+``accelerator.save_state`` / ``load_state``), Lightning (``GradsyncHook``; 2 epochs of 3 steps,
+``ModelCheckpoint`` after each epoch, ``trainer.fit(ckpt_path=...)`` from the first) and the Hugging
+Face ``Trainer`` (``GradsyncCallback``; ``save_steps=3``, ``train(resume_from_checkpoint=...)``, the
+Trainer skipping the 3 batches trained). The frameworks' rows compare the losses of steps 4-6, the
+parameters after step 6 (their sum of squares in float64, printed exactly) and the wire and dense
+bytes of steps 4-6 (the hook state's ``stats()``), bitwise. The CUDA rows are in
+``tests/test_cuda_nccl.py``.
 """
 
 from __future__ import annotations
@@ -414,5 +415,86 @@ def test_lightning_refuses_clearly(lightning_runs, algorithm):
     _check_refusal(lightning_runs[0], "lightning", algorithm)
 
 
+# ------------------------------------------------------------------------------------------ HF Trainer
+def _trainer_job(out: Path, resume: bool) -> None:
+    """Every algorithm through the Hugging Face ``Trainer`` (``GradsyncCallback``; ``ddp_bucket_cap_mb=0.01``)
+    in this torchrun rank: 6 steps (max_steps) saving ``checkpoint-3``, or (``resume``) a fresh model,
+    callback and Trainer resumed from it. The model is :func:`every_algorithm.small_model` returning
+    ``{"loss": ...}``; optimizer as :func:`_accelerate_job`'s (constant rate, no gradient clipping); the
+    dataset holds every step's batch of rank 0, then of rank 1, read in order (``sequential``) so each rank
+    gets :func:`every_algorithm.batches` as the other rows do. Writes ``trainer_{full,resumed}_rank{r}.json``
+    as :func:`_accelerate_job` does."""
+    import gc
+
+    import torch.nn.functional as F
+
+    from gradsync.integrations.transformers import GradsyncCallback  # first: makes torchvision importable
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: I001
+
+    from every_algorithm import batches, small_model
+
+    gc.freeze()  # what is imported stays: each train() ends in a gc.collect() (Accelerate's free_memory),
+    torch.set_num_threads(1)  # which otherwise walks every imported object (0.4 s a run here)
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    per_rank = [batches(r, STEPS) for r in range(2)]
+    samples = [{"x": x, "labels": y} for i in range(STEPS) for r in range(2) for x, y in zip(*per_rank[r][i])]
+
+    class Classifier(torch.nn.Module):
+        def __init__(self, sync):
+            super().__init__()
+            self.net, self.sync = small_model(), sync
+            self.losses, self.seen = [], []
+
+        def forward(self, x, labels):
+            loss = F.cross_entropy(self.net(x), labels)
+            if self.training:  # (the callback registered and loaded the hook state before this forward)
+                self.losses.append(loss.item())
+                self.seen.append(self.sync.stats())
+            return {"loss": loss}
+
+    class SaveAtSave(TrainerCallback):
+        """Save ``checkpoint-3`` only (not also at the last step)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = state.global_step == SAVE
+
+    def one(name):
+        sync = GradsyncCallback(name, **_options(name))
+        model = Classifier(sync)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        args = TrainingArguments(
+            output_dir=str(out / name), max_steps=STEPS, per_device_train_batch_size=len(per_rank[0][0][1]),
+            train_sampling_strategy="sequential", lr_scheduler_type="constant", max_grad_norm=0.0,
+            save_strategy="steps", save_steps=SAVE, save_only_model=False, logging_strategy="no",
+            eval_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
+            seed=0, ddp_backend="gloo", ddp_bucket_cap_mb=0.01, ddp_find_unused_parameters=False)
+        trainer = Trainer(model=model, args=args, train_dataset=samples, optimizers=(opt, None),
+                          callbacks=[sync, SaveAtSave()])
+        trainer.remove_callback(PrinterCallback)  # (it prints the run's final metrics)
+        trainer.train(resume_from_checkpoint=str(out / name / f"checkpoint-{SAVE}") if resume else None)
+        return _found(model.losses, model.net, model.seen[SAVE - STEPS], sync.stats())
+
+    _write_job(out, "trainer", rank, resume, _per_algorithm(_job_names(resume), one))
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    pytest.importorskip("transformers", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("trainer")
+    return _torchrun("trainer", out, False), _torchrun("trainer", out, True)
+
+
+@pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
+def test_hf_trainer_resume_continues_the_uninterrupted_losses(trainer_runs, algorithm):
+    _check_continues(trainer_runs, "HF Trainer", algorithm)
+
+
+@pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
+def test_hf_trainer_refuses_clearly(trainer_runs, algorithm):
+    _check_refusal(trainer_runs[0], "HF Trainer", algorithm)
+
+
 if __name__ == "__main__":  # one torchrun rank of an integration job: JOB OUT full|resume
-    {"accelerate": _accelerate_job, "lightning": _lightning_job}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3] == "resume")
+    {"accelerate": _accelerate_job, "lightning": _lightning_job,
+     "trainer": _trainer_job}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3] == "resume")
