@@ -2,25 +2,32 @@
 loaded by a fresh process group of fresh processes, continues with the uninterrupted run's losses.
 
 Per entry point two launches of 2 Gloo ranks on 127.0.0.1 (forked by :func:`distributed.run_ranks`;
-under ``torchrun`` for Accelerate): the first trains every algorithm for :data:`STEPS` steps, uninterrupted, checkpointing
-after step :data:`SAVE`; the second, a new process group of new processes, loads every algorithm's
-checkpoint and trains steps 4-6. The losses of steps 4-6 (and the parameters, or the evaluation, after
-step 6) must be bitwise equal: on CPU Gloo with one thread per rank every algorithm's arithmetic is
-deterministic, the randomness (random-k, PowerSGD's and the sketches' seeds, the data order) is in
-the checkpoint, and the options below keep wall-clock time out of the decisions (GraVAC's plateau
-test compares measured throughputs: ``plateau_tolerance=0`` never stops its search on them; COVAP's
-``ratio`` is fixed). An entry point that refuses an algorithm on purpose is checked for its clear
-refusal (a ``ValueError`` saying what to use instead) in its own test.
+under ``torchrun`` for the frameworks, one process per rank training every algorithm in turn, so a
+framework is imported once per launch): the first trains every algorithm for :data:`STEPS` steps,
+uninterrupted, checkpointing after step :data:`SAVE`; the second, a new process group of new
+processes, loads every algorithm's checkpoint and trains steps 4-6. The losses of steps 4-6 (and the
+parameters, or the evaluation, after step 6) must be bitwise equal: on CPU Gloo with one thread per
+rank every algorithm's arithmetic is deterministic, the randomness (random-k, PowerSGD's and the
+sketches' seeds, the data order) is in the checkpoint, and the options below keep wall-clock time out
+of the decisions (GraVAC's plateau test compares measured throughputs: ``plateau_tolerance=0`` never
+stops its search on them; COVAP's ``ratio`` is fixed). An entry point that refuses an algorithm on
+purpose is checked for its clear refusal (a ``ValueError`` saying what to use instead) in its own
+test.
 
 Entry points: ``gradsync train``'s per-rank Python entry (:func:`gradsync.train.loop.run`, the
 function every ``gradsync train`` rank runs, on the Fashion-MNIST workload, checkpoints through
-``--checkpoint-every`` and ``--resume``), :func:`gradsync.wrap` (DDP + hook or DeAR's pipeline
-around a bare module; the state saved and loaded as a user script does, ``torch.save`` /
-``torch.load(weights_only=True)``) and Accelerate (``register_hook`` + ``HookCheckpoint``,
-``accelerator.save_state`` / ``load_state``; this file run under ``torchrun`` as a script). Not here:
-Lightning and the Hugging Face Trainer (their resume is checked for COVAP in ``test_integrations.py``
-and ``test_transformers_trainer.py``; they register the hook through the same
-``build_state_and_hook`` as Accelerate). The CUDA rows are in ``tests/test_cuda_nccl.py``.
+``--checkpoint-every`` and ``--resume``), :func:`gradsync.wrap` (DDP + hook or DeAR's pipeline around
+a bare module; the state saved and loaded as a user script does, ``torch.save`` /
+``torch.load(weights_only=True)``), and, on every_algorithm's MLP and batches with DDP's
+``bucket_cap_mb=0.01`` (this file run under ``torchrun`` as a script; the integrations refuse the
+algorithms in :data:`INTEGRATION_REFUSALS`): Accelerate (``register_hook`` + ``HookCheckpoint``,
+``accelerator.save_state`` / ``load_state``), Lightning (``GradsyncHook``; 2 epochs of 3 steps,
+``ModelCheckpoint`` after each epoch, ``trainer.fit(ckpt_path=...)`` from the first) and the Hugging
+Face ``Trainer`` (``GradsyncCallback``; ``save_steps=3``, ``train(resume_from_checkpoint=...)``, the
+Trainer skipping the 3 batches trained). The frameworks' rows compare the losses of steps 4-6, the
+parameters after step 6 (their sum of squares in float64, printed exactly) and the wire and dense
+bytes of steps 4-6 (the hook state's ``stats()``), bitwise. The CUDA rows are in
+``tests/test_cuda_nccl.py``.
 """
 
 from __future__ import annotations
@@ -237,59 +244,259 @@ def _accelerate_job(out: Path, resume: bool) -> None:
             losses.append(loss.item())
             if i + 1 == SAVE and not resume:
                 accelerator.save_state(str(out / name))
-        now = state.stats()
-        found = {"losses": losses, "params": repr(sum(float(p.double().pow(2).sum()) for p in model.parameters())),
-                 "bytes": [now[k] - since[k] for k in ("wire_bytes", "dense_wire_bytes")]}
+        found = _found(losses, model, since, state.stats())
         state.close()
         return found
 
-    result = _per_algorithm([n for n in NAMES if not (resume and n in INTEGRATION_REFUSALS)], one)
-    (out / f"accelerate_{'resumed' if resume else 'full'}_rank{rank}.json").write_text(json.dumps(result))
+    _write_job(out, "accelerate", rank, resume, _per_algorithm(_job_names(resume), one))
+
+
+def _job_names(resume: bool) -> list[str]:
+    """What an integration job trains: every algorithm (the refused ones to record their refusal), and
+    on resume those that trained."""
+    return [n for n in NAMES if not (resume and n in INTEGRATION_REFUSALS)]
+
+
+def _found(losses: list[float], model: torch.nn.Module, since: dict, now: dict) -> dict:
+    """An integration job's record of one algorithm: the losses of the steps trained, the parameters'
+    sum of squares after step 6 (float64, printed exactly) and the wire/dense bytes of steps 4-6
+    (``since``: the hook state's ``stats()`` before step 4, ``now``: after step 6)."""
+    return {"losses": losses, "params": repr(sum(float(p.double().pow(2).sum()) for p in model.parameters())),
+            "bytes": [now[k] - since[k] for k in ("wire_bytes", "dense_wire_bytes")]}
+
+
+def _write_job(out: Path, job: str, rank: int, resume: bool, result: dict) -> None:
+    """Write this rank's ``{job}_{full,resumed}_rank{r}.json`` and shut the process group down."""
+    (out / f"{job}_{'resumed' if resume else 'full'}_rank{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def _torchrun(out: Path, resume: bool) -> list[dict]:
+def _torchrun(job: str, out: Path, resume: bool) -> list[dict]:
+    """Run this file's ``job`` (full or ``resume``) under ``torchrun --nproc-per-node 2``; each rank's JSON."""
     from gradsync.comm.rendezvous import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent / "src"), str(HERE.parent),
                                                     env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(HERE), "accelerate", str(out), "resume" if resume else "full"]
+           "--master-port", str(free_port()), str(HERE), job, str(out), "resume" if resume else "full"]
     proc = run_tree(cmd, env=env, cwd=out, timeout=240)
-    assert proc.returncode == 0, f"accelerate job failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{job} job failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
     kind = "resumed" if resume else "full"
-    return [json.loads((out / f"accelerate_{kind}_rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"{job}_{kind}_rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_continues(runs: tuple[list[dict], list[dict]], job: str, algorithm: str) -> None:
+    """Per rank: the resumed run's steps 4-6 have the uninterrupted run's losses, parameters after step 6
+    and wire/dense bytes, bitwise."""
+    for rank, (full, part) in enumerate(zip(*([r.get(algorithm, "no result") for r in rs] for rs in runs))):
+        assert not isinstance(full, str), f"{job} {algorithm}, rank {rank}, uninterrupted: {full}"
+        assert not isinstance(part, str), f"{job} {algorithm}, rank {rank}, resumed: {part}"
+        assert len(full["losses"]) == STEPS, full["losses"]
+        assert part["losses"] == full["losses"][SAVE:], f"{job} {algorithm}, rank {rank}: steps 4-6 differ"
+        assert part["params"] == full["params"], f"{job} {algorithm}, rank {rank}: parameters after step 6 differ"
+        assert part["bytes"] == full["bytes"], f"{job} {algorithm}, rank {rank}: steps 4-6 sent other bytes"
+
+
+def _check_refusal(full: list[dict], job: str, algorithm: str) -> None:
+    """The refusal is a ValueError naming what to use instead, on every rank (no hang: the next
+    algorithm ran)."""
+    for rank, r in enumerate(full):
+        got = r.get(algorithm, "no result")
+        assert isinstance(got, str) and "ValueError" in got and INTEGRATION_REFUSALS[algorithm] in got, \
+            f"{job} {algorithm}, rank {rank}: {got}"
 
 
 @pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory):
     pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
     out = tmp_path_factory.mktemp("accelerate")
-    return _torchrun(out, False), _torchrun(out, True)
+    return _torchrun("accelerate", out, False), _torchrun("accelerate", out, True)
 
 
 @pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
 def test_accelerate_resume_continues_the_uninterrupted_losses(accelerate_runs, algorithm):
-    for rank, (full, part) in enumerate(zip(*(
-            [r.get(algorithm, "no result") for r in runs] for runs in accelerate_runs))):
-        assert not isinstance(full, str), f"accelerate {algorithm}, rank {rank}, uninterrupted: {full}"
-        assert not isinstance(part, str), f"accelerate {algorithm}, rank {rank}, resumed: {part}"
-        assert part["losses"] == full["losses"][SAVE:], f"accelerate {algorithm}, rank {rank}: steps 4-6 differ"
-        assert part["params"] == full["params"], f"accelerate {algorithm}, rank {rank}: parameters after step 6 differ"
-        assert part["bytes"] == full["bytes"], f"accelerate {algorithm}, rank {rank}: steps 4-6 sent other bytes"
+    _check_continues(accelerate_runs, "accelerate", algorithm)
 
 
 @pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
 def test_accelerate_refuses_clearly(accelerate_runs, algorithm):
-    """The refusal is a ValueError naming what to use instead, on every rank (no hang: the next
-    algorithm ran)."""
-    for rank, r in enumerate(accelerate_runs[0]):
-        got = r.get(algorithm, "no result")
-        assert isinstance(got, str) and "ValueError" in got and INTEGRATION_REFUSALS[algorithm] in got, \
-            f"accelerate {algorithm}, rank {rank}: {got}"
+    _check_refusal(accelerate_runs[0], "accelerate", algorithm)
+
+
+# ------------------------------------------------------------------------------------------ Lightning
+def _lightning_job(out: Path, resume: bool) -> None:
+    """Every algorithm through Lightning (``GradsyncHook``; ``DDPStrategy(bucket_cap_mb=0.01)``) in this
+    torchrun rank: 2 epochs of 3 steps, ``ModelCheckpoint`` saving after each epoch, or (``resume``) a
+    fresh module, hook and Trainer fitted from ``epoch=0.ckpt`` (saved after step 3). The rank's batches
+    are :func:`every_algorithm.batches`, step i taking batch i (an end-of-epoch checkpoint: Lightning
+    resumes it exactly without a stateful loader). Writes ``lightning_{full,resumed}_rank{r}.json`` as
+    :func:`_accelerate_job` does."""
+    from gradsync.integrations.lightning import GradsyncHook  # first: makes torchvision importable
+
+    import lightning.pytorch as L  # noqa: I001
+    import torch.nn.functional as F
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, Sampler
+
+    from every_algorithm import batches, small_model
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")  # Lightning keeps a group it finds
+    rank = torch.distributed.get_rank()
+    data = batches(rank, STEPS)
+
+    class Epochs(Sampler):
+        """Epoch e takes batches ``SAVE * e`` onwards. Lazy (a generator): on resume Lightning creates the
+        loader's iterator before it calls ``set_epoch``."""
+
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __len__(self):
+            return SAVE
+
+        def __iter__(self):
+            yield from range(SAVE * self.epoch, SAVE * (self.epoch + 1))
+
+    class Net(L.LightningModule):
+        def __init__(self, sync):
+            super().__init__()
+            self.net, self.sync = small_model(), sync
+            self.losses, self.since = [], None
+
+        def on_train_batch_start(self, batch, batch_idx):  # after the hook state was restored
+            if self.global_step == SAVE:
+                self.since = self.sync.stats()
+
+        def training_step(self, batch, batch_idx):
+            loss = F.cross_entropy(self.net(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+
+    def one(name):
+        sync = GradsyncHook(name, **_options(name))
+        module = Net(sync)
+        saves = [] if resume else [ModelCheckpoint(dirpath=str(out / name), filename="{epoch}", save_top_k=-1,
+                                                   every_n_epochs=1)]
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_epochs=STEPS // SAVE, callbacks=[sync, *saves],
+            strategy=DDPStrategy(bucket_cap_mb=0.01, process_group_backend="gloo"), use_distributed_sampler=False,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=not resume,
+            num_sanity_val_steps=0, limit_val_batches=0)
+        trainer.fit(module, DataLoader(data, batch_size=None, sampler=Epochs()),
+                    ckpt_path=str(out / name / "epoch=0.ckpt") if resume else None)
+        return _found(module.losses, module.net, module.since, sync.stats())
+
+    _write_job(out, "lightning", rank, resume, _per_algorithm(_job_names(resume), one))
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory):
+    pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("lightning")
+    return _torchrun("lightning", out, False), _torchrun("lightning", out, True)
+
+
+@pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
+def test_lightning_resume_continues_the_uninterrupted_losses(lightning_runs, algorithm):
+    _check_continues(lightning_runs, "lightning", algorithm)
+
+
+@pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
+def test_lightning_refuses_clearly(lightning_runs, algorithm):
+    _check_refusal(lightning_runs[0], "lightning", algorithm)
+
+
+# ------------------------------------------------------------------------------------------ HF Trainer
+def _trainer_job(out: Path, resume: bool) -> None:
+    """Every algorithm through the Hugging Face ``Trainer`` (``GradsyncCallback``; ``ddp_bucket_cap_mb=0.01``)
+    in this torchrun rank: 6 steps (max_steps) saving ``checkpoint-3``, or (``resume``) a fresh model,
+    callback and Trainer resumed from it. The model is :func:`every_algorithm.small_model` returning
+    ``{"loss": ...}``; optimizer as :func:`_accelerate_job`'s (constant rate, no gradient clipping); the
+    dataset holds every step's batch of rank 0, then of rank 1, read in order (``sequential``) so each rank
+    gets :func:`every_algorithm.batches` as the other rows do. Writes ``trainer_{full,resumed}_rank{r}.json``
+    as :func:`_accelerate_job` does."""
+    import gc
+
+    import torch.nn.functional as F
+
+    from gradsync.integrations.transformers import GradsyncCallback  # first: makes torchvision importable
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments  # noqa: I001
+
+    from every_algorithm import batches, small_model
+
+    # each train() ends in a gc.collect() (Accelerate's free_memory) that walked every imported object
+    # (0.36 s a run, 6 of the 9 s a launch spent in its jobs): imported objects stay, out of its sight
+    gc.freeze()
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    per_rank = [batches(r, STEPS) for r in range(2)]
+    samples = [{"x": x, "labels": y} for i in range(STEPS) for r in range(2) for x, y in zip(*per_rank[r][i])]
+
+    class Classifier(torch.nn.Module):
+        def __init__(self, sync):
+            super().__init__()
+            self.net, self.sync = small_model(), sync
+            self.losses, self.seen = [], []
+
+        def forward(self, x, labels):
+            loss = F.cross_entropy(self.net(x), labels)
+            if self.training:  # (the callback registered and loaded the hook state before this forward)
+                self.losses.append(loss.item())
+                self.seen.append(self.sync.stats())
+            return {"loss": loss}
+
+    class SaveAtSave(TrainerCallback):
+        """Save ``checkpoint-3`` only (not also at the last step)."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_save = state.global_step == SAVE
+
+    def one(name):
+        sync = GradsyncCallback(name, **_options(name))
+        model = Classifier(sync)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        args = TrainingArguments(
+            output_dir=str(out / name), max_steps=STEPS, per_device_train_batch_size=len(per_rank[0][0][1]),
+            train_sampling_strategy="sequential", lr_scheduler_type="constant", max_grad_norm=0.0,
+            save_strategy="steps", save_steps=SAVE, save_only_model=False, logging_strategy="no",
+            eval_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, dataloader_num_workers=0,
+            seed=0, ddp_backend="gloo", ddp_bucket_cap_mb=0.01, ddp_find_unused_parameters=False)
+        trainer = Trainer(model=model, args=args, train_dataset=samples, optimizers=(opt, None),
+                          callbacks=[sync, SaveAtSave()])
+        trainer.remove_callback(PrinterCallback)  # (it prints the run's final metrics)
+        trainer.train(resume_from_checkpoint=str(out / name / f"checkpoint-{SAVE}") if resume else None)
+        return _found(model.losses, model.net, model.seen[SAVE - STEPS], sync.stats())
+
+    _write_job(out, "trainer", rank, resume, _per_algorithm(_job_names(resume), one))
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    pytest.importorskip("transformers", reason="needs the integrations extra: pip install gradsync[integrations]")
+    out = tmp_path_factory.mktemp("trainer")
+    return _torchrun("trainer", out, False), _torchrun("trainer", out, True)
+
+
+@pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
+def test_hf_trainer_resume_continues_the_uninterrupted_losses(trainer_runs, algorithm):
+    _check_continues(trainer_runs, "HF Trainer", algorithm)
+
+
+@pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
+def test_hf_trainer_refuses_clearly(trainer_runs, algorithm):
+    _check_refusal(trainer_runs[0], "HF Trainer", algorithm)
 
 
 if __name__ == "__main__":  # one torchrun rank of an integration job: JOB OUT full|resume
-    {"accelerate": _accelerate_job}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3] == "resume")
+    {"accelerate": _accelerate_job, "lightning": _lightning_job,
+     "trainer": _trainer_job}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3] == "resume")
