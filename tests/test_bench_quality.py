@@ -96,7 +96,7 @@ def test_to_quality_config_is_validated():
 def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     proc = run_cli(
         ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms",
-         "allreduce,fp16,auto", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
+         "allreduce,auto", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
          "--eval-every", "2", "--eval-samples", "2400", "--out", str(tmp_path)],
         timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -105,7 +105,7 @@ def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
             "train_samples", "warmup_fraction", "curves", "cheap_curves"} <= set(q)
     assert q["cheap_samples"] == 1000  # 2,400 test samples: cheap evaluations on 1,000 gate the full ones
     assert q["budget_steps"] == 4 and q["seeds"] == [0, 1] and q["target_from"] == "allreduce"
-    for name in ("allreduce", "fp16"):
+    for name in ("allreduce", "auto"):
         e = q["entries"][name]
         assert {"final_by_seed", "final_mean", "seconds_by_seed", "steps_by_seed", "olympic_mean_s", "median_s",
                 "spread_s", "wins"} <= set(e)

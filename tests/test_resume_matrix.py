@@ -2,8 +2,8 @@
 loaded by a fresh process group of fresh processes, continues with the uninterrupted run's losses.
 
 Per entry point two launches of 2 Gloo ranks on 127.0.0.1 (forked by :func:`distributed.run_ranks`;
-under ``torchrun`` for the frameworks, one process per rank training every algorithm in turn, so a
-framework is imported once per launch): the first trains every algorithm for :data:`STEPS` steps,
+for the frameworks forked with the environment ``torchrun`` gives, the framework imported before the
+fork; one process per rank trains every algorithm in turn): the first trains every algorithm for :data:`STEPS` steps,
 uninterrupted, checkpointing after step :data:`SAVE`; the second, a new process group of new
 processes, loads every algorithm's checkpoint and trains steps 4-6. The losses of steps 4-6 (and the
 parameters, or the evaluation, after step 6) must be bitwise equal: on CPU Gloo with one thread per
@@ -19,8 +19,7 @@ function every ``gradsync train`` rank runs, on the Fashion-MNIST workload, chec
 ``--checkpoint-every`` and ``--resume``), :func:`gradsync.wrap` (DDP + hook or DeAR's pipeline around
 a bare module; the state saved and loaded as a user script does, ``torch.save`` /
 ``torch.load(weights_only=True)``), and, on every_algorithm's MLP and batches with DDP's
-``bucket_cap_mb=0.01`` (this file run under ``torchrun`` as a script; the integrations refuse the
-algorithms in :data:`INTEGRATION_REFUSALS`): Accelerate (``register_hook`` + ``HookCheckpoint``,
+``bucket_cap_mb=0.01`` (the integrations refuse the algorithms in :data:`INTEGRATION_REFUSALS`): Accelerate (``register_hook`` + ``HookCheckpoint``,
 ``accelerator.save_state`` / ``load_state``), Lightning (``GradsyncHook``; 2 epochs of 3 steps,
 ``ModelCheckpoint`` after each epoch, ``trainer.fit(ckpt_path=...)`` from the first) and the Hugging
 Face ``Trainer`` (``GradsyncCallback``; ``save_steps=3``, ``train(resume_from_checkpoint=...)``, the
@@ -42,11 +41,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_runner import run_tree
 from distributed import run_ranks
 from every_algorithm import OPTIONS as SMALL_OPTIONS
 from every_algorithm import installed_algorithms
 from gradsync.algorithms import REGISTRY
+from gradsync.launch import LocalRanks
 from gradsync.workloads import fashion_mnist
 
 NAMES = installed_algorithms()
@@ -199,7 +198,6 @@ def test_wrap_resume_continues_the_uninterrupted_losses(wrap_runs, algorithm):
 
 
 # ------------------------------------------------------------------------------------------ Accelerate
-HERE = Path(__file__).resolve()
 #: refused on purpose by the integrations, with what the refusal names instead: the algorithms that
 #: replace DDP (DeAR, ...: gradsync.wrap); torch's PowerSGD hook, which needs one DDP bucket on Gloo
 #: (the job's DDP has several, bucket_cap_mb=0.01; it refuses at the first iteration with several)
@@ -208,7 +206,7 @@ INTEGRATION_REFUSALS = {**{n: "gradsync.wrap" for n in NAMES if REGISTRY[n].make
 
 
 def _accelerate_job(out: Path, resume: bool) -> None:
-    """Every algorithm through Accelerate in this torchrun rank (see :func:`_wrap_job`); writes
+    """Every algorithm through Accelerate in this rank (see :func:`_wrap_job`); writes
     ``accelerate_{full,resumed}_rank{r}.json``: per algorithm the losses, the parameters' sum of
     squares (float64, printed exactly) and the wire/dense bytes of steps 4-6, or the error."""
     import torch.nn.functional as F
@@ -272,19 +270,19 @@ def _write_job(out: Path, job: str, rank: int, resume: bool, result: dict) -> No
     torch.distributed.destroy_process_group()
 
 
-def _torchrun(job: str, out: Path, resume: bool) -> list[dict]:
-    """Run this file's ``job`` (full or ``resume``) under ``torchrun --nproc-per-node 2``; each rank's JSON."""
-    from gradsync.comm.rendezvous import free_port
+def _job_rank(rank: int, world: int, job: str, out: Path, resume: bool) -> dict:
+    JOBS[job](out, resume)
+    return json.loads((out / f"{job}_{'resumed' if resume else 'full'}_rank{rank}.json").read_text())
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent / "src"), str(HERE.parent),
-                                                    env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(HERE), job, str(out), "resume" if resume else "full"]
-    proc = run_tree(cmd, env=env, cwd=out, timeout=240)
-    assert proc.returncode == 0, f"{job} job failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}"
-    kind = "resumed" if resume else "full"
-    return [json.loads((out / f"{job}_{kind}_rank{r}.json").read_text()) for r in range(2)]
+
+def _forked(job: str, out: Path, resume: bool) -> list[dict]:
+    """Run ``job`` (full or ``resume``) on 2 ranks forked from this process, with the environment
+    ``torchrun`` gives a rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``:
+    :class:`gradsync.launch.LocalRanks`); each rank's record. The framework is imported here first (the
+    fixture): the ranks inherit it instead of importing it (Lightning: ~5 s of CPU per rank)."""
+    with LocalRanks(2) as ranks:
+        ranks.start_function(_job_rank, (job, out, resume), start_method="fork")
+        return ranks.join(timeout=240)
 
 
 def _check_continues(runs: tuple[list[dict], list[dict]], job: str, algorithm: str) -> None:
@@ -312,7 +310,9 @@ def _check_refusal(full: list[dict], job: str, algorithm: str) -> None:
 def accelerate_runs(tmp_path_factory):
     pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
     out = tmp_path_factory.mktemp("accelerate")
-    return _torchrun("accelerate", out, False), _torchrun("accelerate", out, True)
+    from accelerate import Accelerator  # noqa: F401  (inherited by the forked ranks)
+
+    return _forked("accelerate", out, False), _forked("accelerate", out, True)
 
 
 @pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
@@ -328,7 +328,7 @@ def test_accelerate_refuses_clearly(accelerate_runs, algorithm):
 # ------------------------------------------------------------------------------------------ Lightning
 def _lightning_job(out: Path, resume: bool) -> None:
     """Every algorithm through Lightning (``GradsyncHook``; ``DDPStrategy(bucket_cap_mb=0.01)``) in this
-    torchrun rank: 2 epochs of 3 steps, ``ModelCheckpoint`` saving after each epoch, or (``resume``) a
+    rank: 2 epochs of 3 steps, ``ModelCheckpoint`` saving after each epoch, or (``resume``) a
     fresh module, hook and Trainer fitted from ``epoch=0.ckpt`` (saved after step 3). The rank's batches
     are :func:`every_algorithm.batches`, step i taking batch i (an end-of-epoch checkpoint: Lightning
     resumes it exactly without a stateful loader). Writes ``lightning_{full,resumed}_rank{r}.json`` as
@@ -402,7 +402,9 @@ def _lightning_job(out: Path, resume: bool) -> None:
 def lightning_runs(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
     out = tmp_path_factory.mktemp("lightning")
-    return _torchrun("lightning", out, False), _torchrun("lightning", out, True)
+    import lightning.pytorch  # noqa: F401  (inherited by the forked ranks)
+
+    return _forked("lightning", out, False), _forked("lightning", out, True)
 
 
 @pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
@@ -418,7 +420,7 @@ def test_lightning_refuses_clearly(lightning_runs, algorithm):
 # ------------------------------------------------------------------------------------------ HF Trainer
 def _trainer_job(out: Path, resume: bool) -> None:
     """Every algorithm through the Hugging Face ``Trainer`` (``GradsyncCallback``; ``ddp_bucket_cap_mb=0.01``)
-    in this torchrun rank: 6 steps (max_steps) saving ``checkpoint-3``, or (``resume``) a fresh model,
+    in this rank: 6 steps (max_steps) saving ``checkpoint-3``, or (``resume``) a fresh model,
     callback and Trainer resumed from it. The model is :func:`every_algorithm.small_model` returning
     ``{"loss": ...}``; optimizer as :func:`_accelerate_job`'s (constant rate, no gradient clipping); the
     dataset holds every step's batch of rank 0, then of rank 1, read in order (``sequential``) so each rank
@@ -484,7 +486,9 @@ def _trainer_job(out: Path, resume: bool) -> None:
 def trainer_runs(tmp_path_factory):
     pytest.importorskip("transformers", reason="needs the integrations extra: pip install gradsync[integrations]")
     out = tmp_path_factory.mktemp("trainer")
-    return _torchrun("trainer", out, False), _torchrun("trainer", out, True)
+    from transformers import Trainer  # noqa: F401  (inherited by the forked ranks)
+
+    return _forked("trainer", out, False), _forked("trainer", out, True)
 
 
 @pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
@@ -497,6 +501,4 @@ def test_hf_trainer_refuses_clearly(trainer_runs, algorithm):
     _check_refusal(trainer_runs[0], "HF Trainer", algorithm)
 
 
-if __name__ == "__main__":  # one torchrun rank of an integration job: JOB OUT full|resume
-    {"accelerate": _accelerate_job, "lightning": _lightning_job,
-     "trainer": _trainer_job}[sys.argv[1]](Path(sys.argv[2]), sys.argv[3] == "resume")
+JOBS = {"accelerate": _accelerate_job, "lightning": _lightning_job, "trainer": _trainer_job}
