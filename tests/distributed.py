@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +84,42 @@ def run_ranks(
     if expect_failure:
         return [(True, v) for v in results]
     return results
+
+
+def _job_rank(rank, world, fn, args, cwd, log):
+    import sys
+
+    os.chdir(cwd)
+    sys.stdout.flush()
+    fd = os.open(f"{log}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # (not pytest's capture, which the fork inherited)
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:  # a singleton a fresh torchrun rank would not have (the parent's, non-distributed)
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        return fn(*args)
+    finally:
+        sys.stdout.flush()
+
+
+def run_script_ranks(fn: Callable[..., Any], world_size: int, *args: Any, cwd: Any, log: Any,
+                     timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks forked from this process with the environment
+    ``torchrun`` gives a rank script (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``; no process group: ``fn`` or its framework creates one), in ``cwd``; each rank's
+    stdout goes to ``{log}.rank{r}``, then all of it to ``log``. Returns the results ordered by rank.
+    Whatever the parent imported (a framework: Lightning ~5 s of CPU) the ranks need not import again."""
+    from pathlib import Path
+
+    try:
+        with LocalRanks(world_size) as ranks:
+            ranks.start_function(_job_rank, (fn, args, str(cwd), str(log)), start_method="fork")
+            return ranks.join(timeout=timeout)
+    finally:
+        parts = [Path(f"{log}.rank{r}") for r in range(world_size)]
+        Path(log).write_text("".join(p.read_text() for p in parts if p.exists()))
 
 
 def cluster_skip_reason(needs_fashion_mnist: bool = False) -> str | None:

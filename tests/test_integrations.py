@@ -1,8 +1,9 @@
 """Lightning and Accelerate integrations on real 2-process CPU (Gloo) jobs.
 
-Each framework runs one ``torchrun --nproc-per-node 2`` job (this file, executed as a script with the
-job name) that trains a small MLP on fixed synthetic data several times in the same processes and
-writes per-rank JSON; the tests read it. Settings shared by all runs: 2 ranks, batch 16 per rank,
+Each framework runs one job on 2 ranks forked with the environment ``torchrun --nproc-per-node 2`` gives
+(:func:`distributed.run_script_ranks`; the framework imported before the fork; the examples' test runs
+real ``torchrun`` and ``accelerate launch``) that trains a small MLP on fixed synthetic data several
+times in the same processes and writes per-rank JSON; the tests read it. Settings shared by all runs: 2 ranks, batch 16 per rank,
 SGD(lr=0.05, momentum=0.9), DDP ``bucket_cap_mb=0.01`` (several buckets, so DDP's bucket rebuild after
 the first iteration changes the layout as in a real model).
 
@@ -327,19 +328,13 @@ def _accelerate_job(out: Path) -> None:
 # ------------------------------------------------------------------------------------------------
 # Launch helpers and tests (pytest process)
 # ------------------------------------------------------------------------------------------------
-def _launch(job: str, out: Path, timeout: float = 240.0, script: Path = HERE) -> list[dict]:
-    """Run ``script job out`` under ``torchrun --nproc-per-node 2``; read each rank's ``{job}_rank{r}.json``."""
-    from gradsync.comm.rendezvous import free_port
+def _launch(job: str, out: Path, fn: Callable[[Path], None] | None = None, timeout: float = 240.0) -> list[dict]:
+    """Run ``fn(out)`` (default: this file's ``job``) on 2 ranks forked as ``torchrun --nproc-per-node 2``
+    would start them (:func:`distributed.run_script_ranks`, in ``out``, stdout to ``{job}.stdout``); read
+    each rank's ``{job}_rank{r}.json``. The fixture imported the framework before."""
+    from distributed import run_script_ranks
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    src = HERE.parent.parent / "src"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(src), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), job, str(out)]
-    proc = run_tree(cmd, env=env, cwd=out, timeout=timeout)
-    (out / f"{job}.stdout").write_text(proc.stdout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{job} job failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    run_script_ranks(fn or JOBS[job], WORLD, out, cwd=out, log=out / f"{job}.stdout", timeout=timeout)
     return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -361,6 +356,8 @@ def _quarter(stats: dict, iterations: int) -> None:
 @pytest.fixture(scope="module")
 def lightning_runs(tmp_path_factory):
     pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
+    import lightning.pytorch  # noqa: F401  (inherited by the forked ranks)
+
     out = tmp_path_factory.mktemp("lightning")
     return out, _launch("lightning", out)
 
@@ -368,6 +365,8 @@ def lightning_runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def accelerate_runs(tmp_path_factory):
     pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
+    from accelerate import Accelerator  # noqa: F401  (inherited by the forked ranks)
+
     out = tmp_path_factory.mktemp("accelerate")
     return out, _launch("accelerate", out)
 
@@ -715,5 +714,4 @@ def test_load_hook_state_refuses_other_algorithm_world_size_or_format():
         load_hook_state("covap", fresh, {"iteration": 7})
 
 
-if __name__ == "__main__":
-    {"lightning": _lightning_job, "accelerate": _accelerate_job}[sys.argv[1]](Path(sys.argv[2]))
+JOBS = {"lightning": _lightning_job, "accelerate": _accelerate_job}

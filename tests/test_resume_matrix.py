@@ -41,11 +41,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_ranks
+from distributed import run_ranks, run_script_ranks
 from every_algorithm import OPTIONS as SMALL_OPTIONS
 from every_algorithm import installed_algorithms
 from gradsync.algorithms import REGISTRY
-from gradsync.launch import LocalRanks
 from gradsync.workloads import fashion_mnist
 
 NAMES = installed_algorithms()
@@ -270,19 +269,13 @@ def _write_job(out: Path, job: str, rank: int, resume: bool, result: dict) -> No
     torch.distributed.destroy_process_group()
 
 
-def _job_rank(rank: int, world: int, job: str, out: Path, resume: bool) -> dict:
-    JOBS[job](out, resume)
-    return json.loads((out / f"{job}_{'resumed' if resume else 'full'}_rank{rank}.json").read_text())
-
-
 def _forked(job: str, out: Path, resume: bool) -> list[dict]:
-    """Run ``job`` (full or ``resume``) on 2 ranks forked from this process, with the environment
-    ``torchrun`` gives a rank (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``:
-    :class:`gradsync.launch.LocalRanks`); each rank's record. The framework is imported here first (the
-    fixture): the ranks inherit it instead of importing it (Lightning: ~5 s of CPU per rank)."""
-    with LocalRanks(2) as ranks:
-        ranks.start_function(_job_rank, (job, out, resume), start_method="fork")
-        return ranks.join(timeout=240)
+    """Run ``job`` (full or ``resume``) on 2 ranks forked as ``torchrun`` starts them
+    (:func:`distributed.run_script_ranks`; the fixture imported the framework first, so the ranks need
+    not: Lightning ~5 s of CPU per rank); each rank's record."""
+    kind = "resumed" if resume else "full"
+    run_script_ranks(JOBS[job], 2, out, resume, cwd=out, log=out / f"{job}_{kind}.stdout")
+    return [json.loads((out / f"{job}_{kind}_rank{r}.json").read_text()) for r in range(2)]
 
 
 def _check_continues(runs: tuple[list[dict], list[dict]], job: str, algorithm: str) -> None:

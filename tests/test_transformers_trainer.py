@@ -1,7 +1,7 @@
 """Hugging Face ``Trainer`` with :class:`gradsync.integrations.transformers.GradsyncCallback` on a real
 2-process CPU (Gloo) job.
 
-One ``torchrun --nproc-per-node 2`` job (this file run as a script) trains a tiny GPT-2 built from a
+One job on 2 ranks forked as ``torchrun --nproc-per-node 2`` starts them (the Trainer imported first) trains a tiny GPT-2 built from a
 config (1 layer, 32-dim embeddings, 2 heads, the 73 KJV characters as vocabulary, no dropout, no hub
 download) on character windows of the KJV text several times in the same processes and writes per-rank
 JSON: the Trainer without the callback, with COVAP K=1, with COVAP K=4 (checkpoint at step 6), and the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,6 @@ import pytest
 from test_integrations import (VOTE, K, WARMUP, _auto_record, _launch, _recorded_differently, check_auto_resume,
                                check_auto_run)
 
-HERE = Path(__file__).resolve()
 STEPS = WARMUP + 2 * K          # 10 optimizer steps, 8 of them compressed
 SAVE_AT = WARMUP + K            # checkpoint-6: residuals are non-zero there
 SEQ, BATCH = 32, 4
@@ -173,7 +171,9 @@ def trainer_runs(tmp_path_factory):
     if not HAVE_KJV:
         pytest.skip("KJV text not installed (apt-get install bible-kjv-text)")
     out = tmp_path_factory.mktemp("trainer")
-    return out, _launch("trainer", out, script=HERE)
+    from transformers import Trainer  # noqa: F401  (inherited by the forked ranks)
+
+    return out, _launch("trainer", out, _job)
 
 
 def test_trainer_covap_k1_matches_the_trainer_without_callback(trainer_runs):
@@ -260,7 +260,3 @@ def test_callback_refuses_dear_and_warns_in_one_process():
     with pytest.warns(UserWarning, match="single-process"):
         sync.on_train_begin(args, TrainerState(), TrainerControl(), model=torch.nn.Linear(2, 2))
     assert sync.state is None and sync.stats() == {}
-
-
-if __name__ == "__main__":
-    {"trainer": _job}[sys.argv[1]](Path(sys.argv[2]))
