@@ -32,6 +32,7 @@ bytes of steps 4-6 (the hook state's ``stats()``), bitwise. The CUDA rows are in
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -299,25 +300,6 @@ def _check_refusal(full: list[dict], job: str, algorithm: str) -> None:
             f"{job} {algorithm}, rank {rank}: {got}"
 
 
-@pytest.fixture(scope="module")
-def accelerate_runs(tmp_path_factory):
-    pytest.importorskip("accelerate", reason="needs the integrations extra: pip install gradsync[integrations]")
-    out = tmp_path_factory.mktemp("accelerate")
-    from accelerate import Accelerator  # noqa: F401  (inherited by the forked ranks)
-
-    return _forked("accelerate", out, False), _forked("accelerate", out, True)
-
-
-@pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
-def test_accelerate_resume_continues_the_uninterrupted_losses(accelerate_runs, algorithm):
-    _check_continues(accelerate_runs, "accelerate", algorithm)
-
-
-@pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
-def test_accelerate_refuses_clearly(accelerate_runs, algorithm):
-    _check_refusal(accelerate_runs[0], "accelerate", algorithm)
-
-
 # ------------------------------------------------------------------------------------------ Lightning
 def _lightning_job(out: Path, resume: bool) -> None:
     """Every algorithm through Lightning (``GradsyncHook``; ``DDPStrategy(bucket_cap_mb=0.01)``) in this
@@ -391,25 +373,6 @@ def _lightning_job(out: Path, resume: bool) -> None:
     _write_job(out, "lightning", rank, resume, _per_algorithm(_job_names(resume), one))
 
 
-@pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory):
-    pytest.importorskip("lightning", reason="needs the integrations extra: pip install gradsync[integrations]")
-    out = tmp_path_factory.mktemp("lightning")
-    import lightning.pytorch  # noqa: F401  (inherited by the forked ranks)
-
-    return _forked("lightning", out, False), _forked("lightning", out, True)
-
-
-@pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
-def test_lightning_resume_continues_the_uninterrupted_losses(lightning_runs, algorithm):
-    _check_continues(lightning_runs, "lightning", algorithm)
-
-
-@pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
-def test_lightning_refuses_clearly(lightning_runs, algorithm):
-    _check_refusal(lightning_runs[0], "lightning", algorithm)
-
-
 # ------------------------------------------------------------------------------------------ HF Trainer
 def _trainer_job(out: Path, resume: bool) -> None:
     """Every algorithm through the Hugging Face ``Trainer`` (``GradsyncCallback``; ``ddp_bucket_cap_mb=0.01``)
@@ -475,23 +438,32 @@ def _trainer_job(out: Path, resume: bool) -> None:
     _write_job(out, "trainer", rank, resume, _per_algorithm(_job_names(resume), one))
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    pytest.importorskip("transformers", reason="needs the integrations extra: pip install gradsync[integrations]")
-    out = tmp_path_factory.mktemp("trainer")
-    from transformers import Trainer  # noqa: F401  (inherited by the forked ranks)
+JOBS = {"accelerate": _accelerate_job, "lightning": _lightning_job, "trainer": _trainer_job}
 
-    return _forked("trainer", out, False), _forked("trainer", out, True)
+
+#: each framework's row: the module its fixture imports before forking the ranks, its name in messages
+ROWS = {"accelerate": ("accelerate", "Accelerate"), "lightning": ("lightning.pytorch", "Lightning"),
+        "trainer": ("transformers.trainer", "HF Trainer")}
+
+
+@pytest.fixture(scope="module", params=sorted(ROWS))
+def framework_runs(request, tmp_path_factory):
+    """``(label, full, resumed)``: a framework's two launches (every algorithm each)."""
+    job = request.param
+    module, label = ROWS[job]
+    pytest.importorskip(module.split(".")[0], reason="needs the integrations extra: pip install gradsync[integrations]")
+    importlib.import_module(module)  # inherited by the forked ranks
+    out = tmp_path_factory.mktemp(job)
+    return label, _forked(job, out, False), _forked(job, out, True)
 
 
 @pytest.mark.parametrize("algorithm", [n for n in NAMES if n not in INTEGRATION_REFUSALS])
-def test_hf_trainer_resume_continues_the_uninterrupted_losses(trainer_runs, algorithm):
-    _check_continues(trainer_runs, "HF Trainer", algorithm)
+def test_framework_resume_continues_the_uninterrupted_losses(framework_runs, algorithm):
+    label, full, resumed = framework_runs
+    _check_continues((full, resumed), label, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", sorted(INTEGRATION_REFUSALS))
-def test_hf_trainer_refuses_clearly(trainer_runs, algorithm):
-    _check_refusal(trainer_runs[0], "HF Trainer", algorithm)
-
-
-JOBS = {"accelerate": _accelerate_job, "lightning": _lightning_job, "trainer": _trainer_job}
+def test_framework_refuses_clearly(framework_runs, algorithm):
+    label, full, _ = framework_runs
+    _check_refusal(full, label, algorithm)
