@@ -167,9 +167,9 @@ def _repetitions(rank, world, budget_s):
 
     calls = []
 
-    def run():  # rank 1's warm-up is the slow one: the MAX over ranks sets every rank's count alike
+    def run():  # rank 1's first call is the slow one: the MAX over ranks sets every rank's count alike
+        time.sleep(0.1 * rank if not calls else 0.0)
         calls.append(1)
-        time.sleep(0.1 * rank)
 
     _median_seconds(run, None, 5, torch.device("cpu"), budget_s)
     return len(calls)
@@ -178,6 +178,6 @@ def _repetitions(rank, world, budget_s):
 def test_the_ccr_budget_cuts_repetitions_alike_on_every_rank():
     from distributed import run_ranks
 
-    assert run_ranks(_repetitions, 2, None, timeout=60) == [6, 6]  # warm-up + 5
-    assert run_ranks(_repetitions, 2, 0.25, timeout=60) == [3, 3]  # 0.25 s / ~0.1 s of rank 1's warm-up: 2
-    assert run_ranks(_repetitions, 2, 1e-6, timeout=60) == [2, 2]  # at least one
+    assert run_ranks(_repetitions, 2, None, timeout=60) == [5, 5]  # 5, the first included (the warm-up: 1 element)
+    assert run_ranks(_repetitions, 2, 0.25, timeout=60) == [2, 2]  # 0.25 s / ~0.1 s of rank 1's first call: 2
+    assert run_ranks(_repetitions, 2, 1e-6, timeout=60) == [1, 1]  # at least one: the first call

@@ -33,13 +33,13 @@ def time_dense_allreduce(
     device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, budget_s: float | None = None,
 ) -> float:
     """Median seconds of blocking all-reduces of one ``dtype`` tensor per bucket, one after another
-    (no overlap). One untimed repetition warms the connections up.
+    (no overlap), after a one-element all-reduce that sets the connections up.
 
     Args:
         reps: timed repetitions (>= 1).
-        budget_s: at most this many seconds (> 0) of timed repetitions, judged from the warm-up's
+        budget_s: at most this many seconds (> 0) of timed repetitions, judged from the first one's
             time (MAX over the ranks, so every rank runs as many): ``reps`` is cut to
-            ``budget_s / warm-up`` but kept >= 1. None: ``reps``. On a slow network one dense
+            ``budget_s / first`` but kept >= 1. None: ``reps``. On a slow network one dense
             all-reduce can take seconds.
         device: where the buckets live (the model's device); default
             :func:`~gradsync.comm.collectives.collective_device` of ``group`` (CUDA for NCCL, CPU for
@@ -77,9 +77,12 @@ def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: i
 def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, reps: int,
                     device: torch.device, budget_s: float | None = None) -> float:
     """Median wall-clock seconds of ``reps`` calls of ``run`` started together on every rank (a
-    barrier before each), after one untimed call that warms the connections up (and, with
-    ``budget_s``, cuts ``reps`` as :func:`time_dense_allreduce` says). On a CUDA ``device`` the
-    device is synchronised before each clock read, since NCCL collectives return once enqueued."""
+    barrier before each), after a one-element all-reduce that sets the connections up (NCCL creates its
+    communicators at the first collective). With ``budget_s`` the first call's time, MAX over the ranks,
+    cuts ``reps`` to ``budget_s / first`` (at least 1, the first call included): on a slow network one
+    dense all-reduce takes seconds, and an untimed full-size warm-up would cost as much again. On a CUDA
+    ``device`` the device is synchronised before each clock read, since NCCL collectives return once
+    enqueued."""
     reps = check_int("reps", reps, 1)
     if budget_s is not None:
         check_float("budget_s", budget_s, 0.0, 1e6, low_inclusive=False)
@@ -92,12 +95,13 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
         run()
         return clock() - t0
 
-    warm_s = timed()
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    first = timed()
     if budget_s is not None:
-        warm = torch.tensor([warm_s], dtype=torch.float64, device=device)
-        dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
-        reps = max(1, min(reps, int(budget_s / max(float(warm.item()), 1e-9))))
-    return statistics.median(timed() for _ in range(reps))
+        slowest = torch.tensor([first], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        reps = max(1, min(reps, int(budget_s / max(float(slowest.item()), 1e-9))))
+    return statistics.median([first] + [timed() for _ in range(reps - 1)])
 
 
 def measure_ccr(
