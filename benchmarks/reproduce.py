@@ -305,6 +305,10 @@ EXPERIMENTS = [
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",
             "--seeds", "0,1,2,3,4", "--hosts", "2", "--bandwidths", "1,5,15", "--epochs", "2", "--steps", "64",
             "--warmup", "4", "--rounds", "1"]),
+    _sweep("sweep-periodic-4hosts", "Results: syncing rarely on 4 hosts (gradsync sweep)",
+           ["--algorithms", "allreduce,powersgd:matrix_approximation_rank=8,local-sgd:period=4,local-sgd:period=16",
+            "--seeds", "0,1,2,3,4", "--hosts", "4", "--bandwidths", "1,5,15", "--epochs", "2", "--steps", "64",
+            "--warmup", "4", "--rounds", "1"]),
     Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
         Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
                                "allreduce,fp16,powersgd:matrix_approximation_rank=4:dense_from=300,auto",
