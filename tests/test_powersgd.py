@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
 from small_mlp import backward_step, flat_grad, make_model
-from gradsync.algorithms.powersgd import PowerSGDHookState, powersgd_hook
+from gradsync.algorithms.powersgd import PowerSGDHookState, move_bucket_memories, powersgd_hook
 
 
 def _grads(rank, world, hook, steps, dense_from=0, tail_chunk_mb=25.0):
@@ -106,3 +106,24 @@ def test_powersgd_through_build_hook_on_several_gloo_buckets_refuses_on_every_ra
     for kind, msg in results:
         assert kind == "ValueError", (kind, msg)
         assert "bucket_cap_mb" in msg and "powersgd-overlap" in msg, msg
+
+
+class _MetaBucket:
+    """A GradBucket stand-in on the ``meta`` device (a device other than the CPU, without a GPU)."""
+
+    def buffer(self):
+        return torch.empty(6, device="meta")
+
+    def index(self):
+        return 1
+
+
+def test_a_state_loaded_on_the_cpu_moves_to_the_buckets_device_at_its_first_use():
+    """What tests/test_cuda_nccl.py saw on an H200: torch's and gradsync's PowerSGD loaded directly
+    from a CPU-read checkpoint added CPU residuals to CUDA buckets."""
+    residual, q = torch.ones(6), [torch.ones(3, 2), torch.ones(2, 2)]
+    errors, memories, other = {1: residual}, {1: q}, {0: torch.ones(2)}
+    move_bucket_memories(_MetaBucket(), errors, memories, other)
+    assert errors[1].device.type == "meta" and all(t.device.type == "meta" for t in memories[1])
+    assert other[0].device.type == "cpu"  # another bucket's entry is left for that bucket
+    assert residual.device.type == "cpu" and q[0].device.type == "cpu"  # replaced, not modified

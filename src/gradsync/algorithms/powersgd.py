@@ -147,10 +147,11 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     skips it on every rank."""
     if bucket.index() == 0 and not bucket.is_last():
         check_one_bucket(state, "powersgd")
+    ts = state.torch_state
+    move_bucket_memories(bucket, ts.error_dict, ts.p_memory_dict, ts.q_memory_dict)
     if state.dense_from and state.iteration >= state.dense_from:
         return dense_tail(state, bucket, state.torch_state.error_dict)
     buf = bucket.buffer()
-    ts = state.torch_state
     before = ts.total_numel_after_compression
     compressed = ts.iter >= ts.start_powerSGD_iter
     low_precision = buf.dtype in (torch.float16, torch.bfloat16) and compressed
@@ -168,6 +169,21 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
                         collectives=1 if sent == 0 else 2)  # P and Q are all-reduced
     state.end_bucket(bucket)
     return state.guarded(bucket, fut) if compressed else fut
+
+
+def move_bucket_memories(bucket: dist.GradBucket, *memories: dict) -> None:
+    """Move ``bucket``'s entries of ``memories`` (dicts of bucket index -> tensor or list of tensors:
+    error-feedback residuals, warm-start factors) to the bucket's device, replacing them in the dict.
+    A state loaded directly with ``load_state_dict`` from a checkpoint read on the CPU
+    (``map_location="cpu"``) meets a CUDA model's buckets here; torch's PowerSGD hook would add a CPU
+    residual to a CUDA gradient."""
+    device, index = bucket.buffer().device, bucket.index()
+    for memory in memories:
+        value = memory.get(index)
+        if isinstance(value, torch.Tensor) and value.device != device:
+            memory[index] = value.to(device)
+        elif isinstance(value, list) and any(t.device != device for t in value):
+            memory[index] = [t.to(device) for t in value]
 
 
 def check_one_bucket(state: HookState, name: str) -> None:

@@ -40,7 +40,7 @@ from ..comm.futures import then
 from ..compressors.lowrank import compressed_matrix
 from ..validation import check_dense_from, check_float, check_int
 from .base import HookState
-from .powersgd import PowerSGDOptions, dense_tail
+from .powersgd import PowerSGDOptions, dense_tail, move_bucket_memories
 from .spec import hook_algorithm
 
 @dataclass(frozen=True)
@@ -233,6 +233,7 @@ def powersgd_overlap_hook(state: PowerSGDOverlapState,
     so the result decides (:class:`~gradsync.feedback.finite.FiniteGuard`, no extra collective): a
     non-finite step restores the residuals and warm-start memories and returns NaN, so GradScaler
     skips it on every rank."""
+    move_bucket_memories(bucket, state.error_dict, state.q_memory_dict)
     if state.dense_from and state.iteration >= state.dense_from:
         return dense_tail(state, bucket, state.error_dict)
     if state.iteration < state.start_iter:

@@ -12,6 +12,7 @@ hooks in bucket order, so a bucket's time is also bounded by its predecessor's, 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
 import datetime
+import inspect
 import statistics
 import time
 from collections.abc import Mapping
@@ -81,9 +82,11 @@ def record_profile(
     try:
         # No buffer broadcast: the profile must contain compute only, no collective.
         device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
-        # (forward_sync_buffers: broadcast_buffers is deprecated in torch 2.13; the buffers are still
-        # synced once at construction, before anything is timed)
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=False,
+        # (forward_sync_buffers: broadcast_buffers is deprecated in torch 2.13, which added it; the
+        # buffers are still synced once at construction, before anything is timed)
+        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                   inspect.signature(DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False})
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **no_sync,
                                       device_ids=[device.index] if device.type == "cuda" else None)
         # on CUDA the device is synchronised before every clock read (also a bucket's ready time:
         # its gradients are computed when the device gets there, not when the host launched them)
