@@ -38,23 +38,25 @@ def _quality(rank, world):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was probed
     timed = time_candidates(model, batches, F.cross_entropy, _optimizer, ["allreduce", "fp16"], bucket_cap_mb=0.005)
     casts = cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"])
-    # a copy's start steps are trained by the fp16 cast; the candidate compresses from its first own step
+    # a copy's start step rebuilds DDP's buckets without training; the candidate compresses from its first step
     copy = _ProbeCopy(model, ["powersgd-overlap:matrix_approximation_rank=1"], batches, F.cross_entropy, _optimizer,
                       0.005, None, 0, 0)
+    untrained = all(torch.equal(a, b) for a, b in zip(copy.local.parameters(), model.parameters()))
     state = copy.meter.hooks[0][0]
     started = state.stats()["wire_bytes"]
     copy.train(1)
     first = state.stats()
     copy.close()
     return (errors, {e: (p.iteration_s, p.wire_bytes_per_step) for e, p in timed.items()}, casts,
-            (len(copy.meter.hooks), started, first["wire_bytes"], first["dense_wire_bytes"]))
+            (len(copy.meter.hooks), untrained, started, first["wire_bytes"], first["dense_wire_bytes"]))
 
 
 def test_errors_against_dense_are_exact_for_exact_settings_and_the_same_on_every_rank():
     (e0, t0, c0, s0), (e1, t1, c1, s1) = run_ranks(_quality, 2, timeout=180)
     assert e0 == e1 and t0 == t1 and c0 == c1  # every rank decides alike
-    hooks, started, wire, dense = s0
-    assert hooks == 1 and started == 0, "the start steps ran the fp16 starter, not the candidate, and dropped it"
+    hooks, untrained, started, wire, dense = s0
+    assert untrained, "the start step only rebuilt DDP's buckets: the copy is still the job's model"
+    assert hooks == 1 and started == 0, "the start step ran the rebuild-only hook, not the candidate, and dropped it"
     assert 0 < wire < dense / 4, "no dense start iterations: the candidate compressed its first step"
     # the casts' error without communication: 11 and 8 significant bits; the metered fp16 error is as small
     assert 0 < c0["fp16"] < c0["bf16"] < 1e-2 and e0["fp16"] < 10 * c0["fp16"]

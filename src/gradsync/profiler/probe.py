@@ -116,14 +116,14 @@ def _train_steps(ddp: DistributedDataParallel, opt: torch.optim.Optimizer, batch
 #: (benchmarks/probe_quality.py) and where it is used.
 QUALITY_STEPS = 8
 
-#: Start-up steps of every probe copy: DDP rebuilds its buckets after the first. They train the copy
-#: with the fp16 cast (:data:`STARTER`; half a dense all-reduce's bytes, no state), and every entry
-#: compresses from the next step where it can (``skip_start``: PowerSGD's dense start iterations exist only
-#: for the rebuild). Before, the most exact entry ran its own dense start iterations: 2 dense all-reduces
-#: per copy, 11 s of the GRU's probe at 1 Mbit/s.
-START_STEPS = 2
-#: The hook that trains a probe copy during its :data:`START_STEPS`.
-STARTER = "fp16"
+#: Start-up steps of every probe copy: DDP puts every gradient in one bucket in its first iteration and
+#: rebuilds its buckets after it. The copy runs them as forward and backward passes only, with a hook that
+#: sends nothing and no optimizer step (:func:`_rebuild_only_hook`): the copy is still the job's model when
+#: the measured steps begin, and every entry compresses from its first step (``skip_start``: PowerSGD's
+#: dense start iterations exist only for the rebuild). Before, 2 steps trained the copy with the fp16
+#: cast: half a dense all-reduce each (1.2 s of the GRU's probe at 5 Mbit/s per copy).
+START_STEPS = 1
+
 
 #: The share of each gradient tensor's elements the quality probe's dense reference all-reduces
 #: (:class:`QualityMeter` ``sample_fraction``): a sixteenth of a dense all-reduce per measured step.
@@ -143,12 +143,20 @@ def _exactness(entry: str) -> tuple[int, int]:
     return (1, int(options["matrix_approximation_rank"])) if "matrix_approximation_rank" in options else (0, 0)
 
 
+def _rebuild_only_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A start step's hook: the rank's own gradient, nothing sent."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 class _ProbeCopy:
     """A private copy of ``model`` in ``DistributedDataParallel`` whose communication hook is a
     :class:`QualityMeter` over the entries' hooks (one bucket for ``one_bucket``), trained on the
     job's batches; the meter's primary hook (the most exact entry) trains it. After construction it
-    has run :data:`START_STEPS` steps (trained by :data:`STARTER`) and every hook compresses from the
-    next step."""
+    has run :data:`START_STEPS` untrained start steps (DDP's bucket rebuild; nothing sent), its
+    parameters are still ``model``'s and every hook compresses from the next step, which trains on
+    ``batches[0]``."""
 
     def __init__(self, model: nn.Module, entries: Sequence[str], batches: Sequence[Batch], loss_fn: Callable,
                  make_optimizer: Callable, bucket_cap_mb: float, process_group: Any, seed: int,
@@ -168,11 +176,13 @@ class _ProbeCopy:
         self.opt = make_optimizer(self.ddp.parameters())
         self.step = 0
         primary, self.meter.primary = self.meter.primary, len(self.meter.hooks)
-        self.meter.hooks.append(self._build(STARTER))
-        self.train(START_STEPS)
-        starter, _ = self.meter.hooks.pop()
+        self.meter.hooks.append((None, _rebuild_only_hook))
+        for i in range(START_STEPS):
+            x, y = batches[i % len(batches)]
+            self.loss_fn(self.ddp(x), y).backward()
+            self.opt.zero_grad(set_to_none=True)
+        self.meter.hooks.pop()
         self.meter.primary = primary
-        starter.close()
         for state, _ in self.meter.hooks:
             state.skip_start()
 

@@ -80,13 +80,14 @@ def record_profile(
     check_float("bucket_cap_mb", bucket_cap_mb, 0.0, 1e5, low_inclusive=False)
     own_group = _single_rank_group()
     try:
-        # No buffer broadcast: the profile must contain compute only, no collective.
+        # No broadcast: the profile must contain compute only, no collective, and its copy's values
+        # need not agree across ranks. Neither the model's at construction (init_sync: on 2 hosts at
+        # 5 Mbit/s that broadcast was 1 s of auto's 1.3 s profile of the GRU) nor the buffers at every
+        # forward (forward_sync_buffers, which replaced broadcast_buffers in torch 2.13).
         device = next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
-        # (forward_sync_buffers: broadcast_buffers is deprecated in torch 2.13, which added it; the
-        # buffers are still synced once at construction, before anything is timed)
         no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
                    inspect.signature(DistributedDataParallel.__init__).parameters else {"broadcast_buffers": False})
-        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **no_sync,
+        ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, init_sync=False, **no_sync,
                                       device_ids=[device.index] if device.type == "cuda" else None)
         # on CUDA the device is synchronised before every clock read (also a bucket's ready time:
         # its gradients are computed when the device gets there, not when the host launched them)
