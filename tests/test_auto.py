@@ -181,3 +181,23 @@ def test_the_ccr_budget_cuts_repetitions_alike_on_every_rank():
     assert run_ranks(_repetitions, 2, None, timeout=60) == [5, 5]  # 5, the first included (the warm-up: 1 element)
     assert run_ranks(_repetitions, 2, 0.25, timeout=60) == [2, 2]  # 0.25 s / ~0.1 s of rank 1's first call: 2
     assert run_ranks(_repetitions, 2, 1e-6, timeout=60) == [1, 1]  # at least one: the first call
+
+
+def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_listed():
+    """auto._next_stage: PowerSGD r=16 (half the candidates' bytes at a high CCR) waits for the cheaper
+    ranks' errors and is not metered where three cheaper measured hooks already beat its iteration."""
+    from gradsync.profiler.auto import _next_stage, worth_measuring, NOT_PROBED
+    from gradsync.profiler.advise import CASTS
+
+    slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)
+    simulated = advise(PROFILE, 2, slow_bw, optimizer="sgd")
+    metered = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if e not in CASTS]
+    r16 = [e for e in metered if e.endswith("rank=16")]
+    assert r16, metered
+    casts = {"fp16": 0.0003, "bf16": 0.002}
+    first = _next_stage(metered, casts, simulated, PROFILE, 2, slow_bw, lambda e: True, "sgd", 3)
+    assert first and not set(r16) & set(first) and set(first) == set(metered) - set(r16)
+    low = {e: 0.1 for e in first}  # every cheaper rank passes: r=16 cannot enter the short-list
+    assert _next_stage(r16, {**casts, **low}, simulated, PROFILE, 2, slow_bw, lambda e: True, "sgd", 3) == []
+    high = {e: 5.0 for e in first}  # every cheaper rank misses: r=16 is measured after all
+    assert _next_stage(r16, {**casts, **high}, simulated, PROFILE, 2, slow_bw, lambda e: True, "sgd", 3) == r16

@@ -196,3 +196,28 @@ def test_a_probe_copy_skips_ddps_broadcast_only_where_every_rank_holds_the_same_
     assert same and same1, "equal replicas agree on every rank"
     assert not differ and not differ1, "one element of one buffer on one rank is a disagreement, on every rank"
     assert after and after1 and mean0 == mean1 == [0.0, 0.0, 0.0], "the differing copy got rank 0's state"
+
+
+def _staged(rank, world):
+    from gradsync.profiler.probe import QualityProbe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(64, 4))
+    _, batches = _job(rank)
+    r1, r2, r4 = (f"powersgd-overlap:matrix_approximation_rank={r}" for r in (1, 2, 4))
+    together = QualityProbe(model, batches, F.cross_entropy, _optimizer, [r1, r2, r4], 0.005)
+    staged = QualityProbe(model, batches, F.cross_entropy, _optimizer, [r1, r4], 0.005)
+    staged.measure([r2, "powersgd:matrix_approximation_rank=2"])
+    together.close(), staged.close()
+    return together.errors, staged.errors
+
+
+def test_an_entry_measured_later_has_the_error_it_has_measured_with_the_others():
+    """The probe's copy does not train while it measures, the reference samples the same positions and
+    dropout draws the same masks at every measurement: auto can measure a costly candidate only when
+    the cheaper ones' errors leave it a chance, and get the number measuring all at once gives."""
+    (together, staged), (together1, staged1) = run_ranks(_staged, 2, timeout=180)
+    assert together == staged and together == together1 and staged == staged1
+    assert 0 < together["powersgd-overlap:matrix_approximation_rank=4"] < together[
+        "powersgd-overlap:matrix_approximation_rank=1"]

@@ -112,6 +112,11 @@ class QualityMeter:
             parts.append(offset + torch.randint(0, n, (k,), generator=g, device="cpu"))
         return torch.cat(parts).to(bucket.buffer().device)
 
+    def restart_sample(self) -> None:
+        """Draw the reference's positions from the start of their sequence again: a second measurement
+        of the same gradients compares the same elements."""
+        self._sampled_buckets = 0
+
     def reset(self) -> None:
         """Forget the sums."""
         self.error_sq: list[Optional[torch.Tensor]] = [None] * len(self.hooks)

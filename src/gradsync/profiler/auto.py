@@ -9,7 +9,8 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
    Below a CCR of :data:`~gradsync.profiler.advise.LOW_CCR` auto keeps DDP and measures nothing more;
 2. **quality**: every lossy communication-hook candidate the simulator predicts at least
    :data:`~gradsync.profiler.advise.MIN_GAIN` x faster per iteration than DDP (but those of
-   :data:`NOT_PROBED`) is measured at once on the job's own gradients
+   :data:`NOT_PROBED`) that could still be short-listed (:func:`_next_stage`: the costliest waits for
+   the others' errors, and is measured only if it still could) is measured on the job's own gradients
    (:class:`~gradsync.profiler.probe.QualityProbe`: its relative error against the dense aggregate,
    estimated from a sample of each gradient tensor;
    the 16-bit casts without communication, :func:`~gradsync.profiler.probe.cast_errors`), which the
@@ -124,6 +125,31 @@ class AutoDecision:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
 
 
+def _next_stage(pending: Sequence[str], errors: dict, simulated: Advice, prof: Profile, world: int, bandwidth: float,
+                allowed: Callable[[str], bool], optimizer: str, shortlist: int) -> list[str]:
+    """The ``pending`` entries to measure next: those that could still enter the short-list, but the
+    costliest of them, which waits for the others' errors. An entry's predicted time to quality is at
+    least its simulated iteration (no extra steps), so one at or above the ``shortlist``-th best
+    predicted time to quality of the measured hooks cannot be short-listed. The errors do not depend on
+    what is measured together (:meth:`QualityProbe.measure`), so the short-list is the one measuring
+    every entry would give, without metering what cannot matter: PowerSGD r=16 carries about half of the
+    candidates' bytes (the GRU at 5 Mbit/s: r=1..16 send 31 units of r=1's per step, r=16 16 of them)."""
+    if not pending:
+        return []
+    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
+    known = sorted(r.time_to_quality_s for r in ranked
+                   if r.entry != "allreduce" and r.measured and is_hook(r.entry) and r.time_to_quality_s is not None)
+    bound = known[shortlist - 1] if len(known) >= shortlist else math.inf
+    iteration = {r.entry: r.iteration_s for r in simulated.predictions}
+    lowest: dict[str, float] = {}  # per quality proxy (torch's PowerSGD and the overlapped one share one)
+    for e in pending:
+        if iteration[e] < bound:
+            lowest[quality_proxy(e)] = min(lowest.get(quality_proxy(e), math.inf), iteration[e])
+    if len(lowest) > 1:
+        del lowest[max(lowest, key=lambda p: (lowest[p], p))]
+    return [e for e in pending if quality_proxy(e) in lowest]
+
+
 def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
            batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, make_optimizer: Callable,
            optimizer: str, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
@@ -156,10 +182,14 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
         probe = None
-        if metered:
-            probe = QualityProbe(model, batches, loss_fn, make_optimizer, metered, bucket_cap_mb,
-                                 process_group=group, seed=seed)
-            errors.update({e: probe.errors[quality_proxy(e)] for e in metered})
+        stage = _next_stage(metered, errors, simulated, prof, world, bandwidth, allowed, optimizer, shortlist)
+        while stage:
+            if probe is None:
+                probe = QualityProbe(model, batches, loss_fn, make_optimizer, stage, bucket_cap_mb,
+                                     process_group=group, seed=seed)
+            errors.update(probe.measure(stage))
+            stage = _next_stage([e for e in metered if e not in errors], errors, simulated, prof, world, bandwidth,
+                                allowed, optimizer, shortlist)
         phases["quality"] = time.perf_counter() - t0
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
         short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)

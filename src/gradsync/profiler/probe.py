@@ -3,14 +3,15 @@ and iteration time on the real network. Every function is a collective on the jo
 trains private copies of the model on the job's batches (each rank its own) and returns the same
 numbers on every rank (all-reduced statistics), so every rank takes the same decision.
 
-* :class:`QualityProbe` / :func:`measure_quality`: every candidate at once, on one copy trained by
-  the most exact candidate; a :class:`QualityMeter` runs every other candidate's hook on copies of the
-  same buckets and compares each aggregate ``c`` with the dense average ``d`` of a random sample of
-  every gradient tensor (:data:`REFERENCE_FRACTION` of its elements, the same on every rank). The
+* :class:`QualityProbe` / :func:`measure_quality`: candidates on one copy of the model that does not
+  train while it is measured (the job's initial model on its first batches); a :class:`QualityMeter`
+  runs each candidate's hook on copies of the same buckets and compares each aggregate ``c`` with the
+  dense average ``d`` of a random sample of every gradient tensor (:data:`REFERENCE_FRACTION` of its elements, the same on every rank). The
   relative error ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over :data:`QUALITY_STEPS` steps and every
   bucket is GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023, arXiv
   2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated
-  result, which is what the optimizer receives);
+  result, which is what the optimizer receives). An entry's error does not depend on which entries
+  are measured with it, so auto measures the costly ones only where they could be chosen;
 * :func:`cast_errors`: the 16-bit casts' error from one backward, without communication;
 * :func:`time_candidates`: the candidates in turn on one DDP copy per bucket layout (the quality
   probe's copy where it can serve); the median step (a device-synchronising clock), MAX over the
@@ -18,7 +19,8 @@ numbers on every rank (all-reduced statistics), so every rank takes the same dec
 * :func:`measure_quality_on_loopback`: :func:`measure_quality` on forked loopback ranks, for
   ``gradsync doctor`` and ``benchmarks/probe_quality.py``.
 
-The copies' training is thrown away: the probe's cost is start-up time, which auto reports.
+The copies' training (the timing steps) is thrown away: the probe's cost is start-up time, which auto
+reports.
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
@@ -118,10 +120,10 @@ QUALITY_STEPS = 8
 
 #: Start-up steps of every probe copy: DDP puts every gradient in one bucket in its first iteration and
 #: rebuilds its buckets after it. The copy runs them as forward and backward passes only, with a hook that
-#: sends nothing and no optimizer step (:func:`_rebuild_only_hook`): the copy is still the job's model when
-#: the measured steps begin, and every entry compresses from its first step (``skip_start``: PowerSGD's
-#: dense start iterations exist only for the rebuild). Before, 2 steps trained the copy with the fp16
-#: cast: half a dense all-reduce each (1.2 s of the GRU's probe at 5 Mbit/s per copy).
+#: sends nothing and no optimizer step (:func:`_rebuild_only_hook`), and every entry compresses from its
+#: first step (``skip_start``: PowerSGD's dense start iterations exist only for the rebuild). Before, 2
+#: steps trained the copy with the fp16 cast: half a dense all-reduce each (1.2 s of the GRU's probe at
+#: 5 Mbit/s per copy).
 START_STEPS = 1
 
 
@@ -130,61 +132,59 @@ START_STEPS = 1
 REFERENCE_FRACTION = 1 / 16
 
 
-def _exactness(entry: str) -> tuple[int, int]:
-    """How close ``entry``'s aggregate is to dense all-reduce's, for ordering: the reference, the
-    16-bit casts, PowerSGD by rank, then the rest."""
-    from ..algorithms import parse_entry
-
-    name, options = parse_entry(entry)
-    if name == "allreduce":
-        return (3, 0)
-    if name in ("fp16", "bf16"):
-        return (2, 0)
-    return (1, int(options["matrix_approximation_rank"])) if "matrix_approximation_rank" in options else (0, 0)
-
-
 def _rebuild_only_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A start step's hook: the rank's own gradient, nothing sent."""
+    """The hook DDP receives its result from while nothing trains (the start step, the measured
+    steps): the rank's own gradient, nothing sent."""
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
 
 
+_LOCAL = (None, _rebuild_only_hook)
+
+
 class _ProbeCopy:
     """A private copy of ``model`` in ``DistributedDataParallel`` whose communication hook is a
-    :class:`QualityMeter` over the entries' hooks (one bucket for ``one_bucket``), trained on the
-    job's batches; the meter's primary hook (the most exact entry) trains it. After construction it
-    has run :data:`START_STEPS` untrained start steps (DDP's bucket rebuild; nothing sent), its
-    parameters are still ``model``'s and every hook compresses from the next step, which trains on
-    ``batches[0]``."""
+    :class:`QualityMeter` over the entries' hooks (one bucket for ``one_bucket``), on the job's
+    batches. After construction it has run :data:`START_STEPS` untrained start steps (DDP's bucket
+    rebuild; nothing sent), its parameters are still ``model``'s and every hook compresses from its
+    next step. :meth:`measure_errors` measures entries without training the copy; :meth:`time` trains it."""
 
     def __init__(self, model: nn.Module, entries: Sequence[str], batches: Sequence[Batch], loss_fn: Callable,
                  make_optimizer: Callable, bucket_cap_mb: float, process_group: Any, seed: int,
                  steps_per_epoch: int, one_bucket: bool = False, sample_fraction: float = 1.0):
         if not batches:
             raise ValueError("batches must hold at least one (inputs, targets) batch")
-        self.entries = list(entries)
-        self.batches, self.loss_fn, self.process_group = batches, loss_fn, process_group
+        self.entries: list[str] = []
+        self.batches, self.loss_fn, self.process_group, self.seed = batches, loss_fn, process_group, seed
         self.local = copy.deepcopy(model)
         self._build = lambda e: _hook_pair(e, self.local, make_optimizer, process_group, seed,
                                            int(batches[0][0].shape[0]), steps_per_epoch)
-        primary = max(range(len(self.entries)), key=lambda i: _exactness(self.entries[i]))
-        self.meter = QualityMeter([self._build(e) for e in self.entries], primary=primary,
-                                  process_group=process_group, sample_fraction=sample_fraction, seed=seed)
+        self.meter = QualityMeter([_LOCAL], primary=0, process_group=process_group,
+                                  sample_fraction=sample_fraction, seed=seed)
         self.ddp = _ddp(self.local, process_group, 1e4 if one_bucket else bucket_cap_mb)
         self.ddp.register_comm_hook(self.meter, metered_hook)
         self.opt = make_optimizer(self.ddp.parameters())
         self.step = 0
-        primary, self.meter.primary = self.meter.primary, len(self.meter.hooks)
-        self.meter.hooks.append((None, _rebuild_only_hook))
-        for i in range(START_STEPS):
-            x, y = batches[i % len(batches)]
+        self._backward(range(START_STEPS))
+        self.meter.hooks = []
+        self.add(entries)
+
+    def add(self, entries: Sequence[str]) -> None:
+        """Build the hooks of the ``entries`` the copy does not hold yet; each compresses from its
+        first step (``skip_start``: the copy's buckets are rebuilt)."""
+        for e in entries:
+            if e not in self.entries:
+                state, hook = self._build(e)
+                state.skip_start()
+                self.entries.append(e)
+                self.meter.hooks.append((state, hook))
+
+    def _backward(self, steps: range) -> None:
+        for i in steps:
+            x, y = self.batches[i % len(self.batches)]
             self.loss_fn(self.ddp(x), y).backward()
             self.opt.zero_grad(set_to_none=True)
-        self.meter.hooks.pop()
-        self.meter.primary = primary
-        for state, _ in self.meter.hooks:
-            state.skip_start()
 
     def train(self, steps: int) -> list[float]:
         """Train ``steps`` more steps; each step's seconds (a device-synchronising clock)."""
@@ -192,27 +192,38 @@ class _ProbeCopy:
         self.step += steps
         return times
 
-    def measure(self, steps: int) -> dict[str, float]:
-        """Collective: each entry's relative error over ``steps`` metered steps, the same on every rank."""
+    def measure_errors(self, entries: Sequence[str], steps: int) -> dict[str, float]:
+        """Collective: each of ``entries``' relative error over ``steps`` metered steps on the job's first
+        ``steps`` batches (cycled), the same on every rank. Nothing trains (the rank's own gradient is
+        DDP's result, the optimizer does not step) and the reference samples the same positions and
+        the forward passes draw the same random numbers at every call, so an entry's error does not
+        depend on which entries are measured with it, nor when: a later call measures more entries
+        exactly as one call would have measured them all."""
+        self.add(entries)
+        hooks, primary = self.meter.hooks, self.meter.primary
+        self.meter.hooks = [_LOCAL] + [hooks[self.entries.index(e)] for e in entries]
+        self.meter.primary = 0
+        self.meter.restart_sample()
         self.meter.on = True
         self.meter.reset()
-        self.train(steps)
-        self.meter.on = False
-        sums = self.meter.sums()
+        device = next(self.local.parameters()).device
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(self.seed)
+                self._backward(range(steps))
+        finally:
+            self.meter.on = False
+            sums = self.meter.sums()[1:]
+            self.meter.hooks, self.meter.primary = hooks, primary
         dist.all_reduce(sums, group=self.process_group)
-        return dict(zip(self.entries, relative_errors(sums / dist.get_world_size(self.process_group))))
+        return dict(zip(entries, relative_errors(sums / dist.get_world_size(self.process_group))))
 
     def time(self, entries: Sequence[str], steps: int) -> dict[str, CandidateProbe]:
         """Collective: ``steps`` timed steps of each entry, taken in turn (entry 1, entry 2, ..., entry
         1, ...), so a drift of the network or the machine reaches every entry alike; the median, MAX
         over the ranks. An entry the copy does not hold yet joins it (after the start steps: it
         compresses at once)."""
-        for e in entries:
-            if e not in self.entries:
-                state, hook = self._build(e)
-                state.skip_start()
-                self.entries.append(e)
-                self.meter.hooks.append((state, hook))
+        self.add(entries)
         index = [self.entries.index(e) for e in entries]
         wire0 = [float(self.meter.hooks[i][0].stats()["wire_bytes"]) for i in index]
         times: list[list[float]] = [[] for _ in entries]
@@ -232,11 +243,11 @@ class _ProbeCopy:
 
 
 class QualityProbe(_ProbeCopy):
-    """Collective: the start-up quality probe: every entry's relative error against dense
-    all-reduce, all entries at once on one copy of the model trained by the most exact entry
-    (:class:`QualityMeter` with a primary; the dense reference all-reduces ``reference_fraction``
-    of each gradient tensor); afterwards :meth:`time` times entries on the same copy, their
-    error-feedback residuals warm.
+    """Collective: the start-up quality probe: entries' relative errors against dense all-reduce on
+    one copy of the model that does not train while it measures (:meth:`_ProbeCopy.measure_errors`: each
+    entry's hook on copies of the buckets, against a dense all-reduce of ``reference_fraction`` of
+    each gradient tensor); :meth:`measure` adds entries later, measured exactly as if they had been
+    measured with the first; afterwards :meth:`time` times entries on the same copy.
 
     Attributes:
         errors: ``{entry: relative error}`` of the measured entries (the quality proxies of the
@@ -247,11 +258,19 @@ class QualityProbe(_ProbeCopy):
                  make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                  bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
                  steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION):
-        steps = check_int("steps", steps, 1, 1000)
-        measured = list(dict.fromkeys(quality_proxy(e) for e in entries))
-        super().__init__(model, measured, batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
+        self.steps = check_int("steps", steps, 1, 1000)
+        super().__init__(model, [], batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
                          steps_per_epoch, sample_fraction=reference_fraction)
-        self.errors = self.measure(steps)
+        self.errors: dict[str, float] = {}
+        self.measure(entries)
+
+    def measure(self, entries: Sequence[str]) -> dict[str, float]:
+        """Collective: measure the quality proxies of ``entries`` not measured yet; return
+        ``{entry: relative error}`` for ``entries``."""
+        todo = [p for p in dict.fromkeys(quality_proxy(e) for e in entries) if p not in self.errors]
+        if todo:
+            self.errors.update(self.measure_errors(todo, self.steps))
+        return {e: self.errors[quality_proxy(e)] for e in entries}
 
 
 def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
@@ -259,8 +278,8 @@ def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
                     bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
                     steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION) -> dict[str, float]:
     """Collective: the relative error of every entry's aggregate against dense all-reduce on this
-    job's gradients (:class:`QualityProbe`): all entries at once on one copy of ``model`` trained by
-    the most exact entry; per step each entry's own collectives plus a dense all-reduce of
+    job's gradients (:class:`QualityProbe`): all entries at once on one copy of ``model`` that does
+    not train (``model``'s parameters, its first ``steps`` batches); per step each entry's own collectives plus a dense all-reduce of
     ``reference_fraction`` of every gradient tensor's elements (in (0, 1]; sampled alike on every
     rank), over ``steps`` steps after :data:`START_STEPS` start-up steps. ``model`` is not changed.
 
@@ -433,8 +452,7 @@ def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Seque
     :func:`~gradsync.profiler.profile.model_for_profile`, each rank on its own batches: a training
     workload on its first training batches as ``--algorithm auto`` sees them (:func:`probe_batches`)
     with its recipe optimizer, any other model on ``make_batch`` batches with SGD (momentum 0.9,
-    learning rate 0.01; the error depends on the learning rate a little: PowerSGD r=8 on the ResNet-8
-    measured 0.33 at 0.1 and 0.42 at 0.01). ``bucket_cap_mb`` None: the size gradsync picks for the
+    learning rate 0.01; the probe does not step it). ``bucket_cap_mb`` None: the size gradsync picks for the
     model (:func:`~gradsync.comm.buckets.resolve_bucket_cap_mb`). What ``gradsync doctor`` and
     ``benchmarks/probe_quality.py`` measure.
 
