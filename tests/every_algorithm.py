@@ -19,7 +19,10 @@ from torch import nn
 #: step 3 or 4 resume between syncs and sync once after the resume.
 OPTIONS = {"ratio": 2, "density": 0.1, "error_feedback": True, "compressor": "topk", "levels": 127,
            "matrix_approximation_rank": 2, "search_interval": 2, "gain_floor": 0.75, "plateau_tolerance": 0.05,
-           "fusion_mb": 0.01, "period": 5}
+           "fusion_mb": 0.01, "period": 5,
+           # ladder: a limit below its default (0.634) escalates past the rank-8 and rank-16 rungs on these
+           # tiny models, where they send about a dense all-reduce, so the resumed steps visibly compress
+           "max_error": 0.508}
 
 
 #: registered algorithms that run an optional library, and its import name: where it is not installed
