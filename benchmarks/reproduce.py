@@ -300,13 +300,20 @@ EXPERIMENTS = [
             "--seeds", "0,1,2,3,4", "--hosts", "2", "--bandwidths", "5,40", "--epochs", "2", "--eval-every", "52",
             "--eval-samples", "5000", "--rounds", "3"],
            quick=("--model", "gru")),
+    _sweep("oos-gru-4hosts", "Results: auto out of sample, the GRU with SGD on 4 hosts (gradsync sweep)",
+           ["--model", "gru", "--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=4,"
+            "powersgd-overlap:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=8,auto",
+            "--seeds", "0,1,2,3,4", "--hosts", "4", "--bandwidths", "5,40", "--epochs", "2", "--eval-every", "26",
+            "--eval-samples", "5000", "--rounds", "3"],
+           quick=("--model", "gru")),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",
             "--seeds", "0,1,2,3,4", "--hosts", "2", "--bandwidths", "1,5,15", "--epochs", "2", "--steps", "64",
             "--warmup", "4", "--rounds", "1"]),
     _sweep("sweep-periodic-4hosts", "Results: syncing rarely on 4 hosts (gradsync sweep)",
-           ["--algorithms", "allreduce,powersgd:matrix_approximation_rank=8,local-sgd:period=4,local-sgd:period=16",
+           ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8,"
+            "local-sgd:period=4,local-sgd:period=16,local-sgd:period=64,diloco:period=16",
             "--seeds", "0,1,2,3,4", "--hosts", "4", "--bandwidths", "1,5,15", "--epochs", "2", "--steps", "64",
             "--warmup", "4", "--rounds", "1"]),
     Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
