@@ -1,6 +1,6 @@
 """Measure candidate settings on the user's own job: compression quality on the job's own gradients
 and iteration time on the real network. Every function is a collective on the job's process group,
-trains private copies of the model on the job's batches (each rank its own) and returns the same
+runs private copies of the model on the job's batches (each rank its own) and returns the same
 numbers on every rank (all-reduced statistics), so every rank takes the same decision.
 
 * :class:`QualityProbe` / :func:`measure_quality`: candidates on one copy of the model that does not
