@@ -150,7 +150,7 @@ def powersgd_hook(state: PowerSGDHookState, bucket: dist.GradBucket) -> torch.fu
     ts = state.torch_state
     move_bucket_memories(bucket, ts.error_dict, ts.p_memory_dict, ts.q_memory_dict)
     if state.dense_from and state.iteration >= state.dense_from:
-        return dense_tail(state, bucket, state.torch_state.error_dict)
+        return dense_tail(state, bucket, ts.error_dict)
     buf = bucket.buffer()
     before = ts.total_numel_after_compression
     compressed = ts.iter >= ts.start_powerSGD_iter

@@ -49,6 +49,14 @@ _callbacks: collections.deque = collections.deque()  # (weakref to the wrapper, 
 _registered = False
 
 
+def completed(value: Any) -> torch.futures.Future:
+    """A future that already holds ``value`` (a hook's result that needs no collective: a bucket
+    passed through, an empty exchange)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
 def then(fut: torch.futures.Future, fn: Callable[[torch.futures.Future], Any]) -> torch.futures.Future:
     """``fut.then(fn)``, tracked so that :func:`drain` can wait until the worker thread released
     ``fn``.

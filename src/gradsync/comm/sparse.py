@@ -25,16 +25,10 @@ import torch
 import torch.distributed as dist
 
 from gradsync.comm.collectives import all_gather_flat, collective_device
-from gradsync.comm.futures import then
+from gradsync.comm.futures import completed, then
 from gradsync.compressors.base import Compressor, Ctx, Payload
 
 Counter = Callable[..., None]
-
-
-def _done(value) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
 
 
 def allreduce_payload(
@@ -63,7 +57,7 @@ def allreduce_payload(
             counter(t, kind="allreduce")
         futs.append(dist.all_reduce(t, group=group, async_op=True).get_future())
     if not futs:
-        return _done([])
+        return completed([])
     return then(torch.futures.collect_all(futs), lambda _: tensors)
 
 
@@ -118,7 +112,7 @@ def allgather_payload(
         return result
 
     if max_bytes == 0:
-        return _done(unpack(torch.empty(0, dtype=torch.uint8, device=device)))
+        return completed(unpack(torch.empty(0, dtype=torch.uint8, device=device)))
     local = torch.zeros(max_bytes, dtype=torch.uint8, device=device)
     off = 0
     for t in payload:

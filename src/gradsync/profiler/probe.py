@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.agreement import replicas_agree
 from ..comm.collectives import collective_device
+from ..comm.futures import completed
 from ..validation import check_int
 from ..algorithms.meter import ProxyBucket, QualityMeter, metered_hook, relative_errors  # noqa: F401
 from .advise import single_bucket
@@ -135,9 +136,7 @@ REFERENCE_FRACTION = 1 / 16
 def _rebuild_only_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The hook DDP receives its result from while nothing trains (the start step, the measured
     steps): the rank's own gradient, nothing sent."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+    return completed(bucket.buffer())
 
 
 _LOCAL = (None, _rebuild_only_hook)

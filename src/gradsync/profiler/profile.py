@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..comm.futures import completed
 from ..comm.rendezvous import free_port
 from ..sim.profile import SCHEMA, Profile, load_profile
 from ..validation import check_float, check_int
@@ -38,9 +39,7 @@ class _ReadyRecorder:
 def _recording_hook(state: _ReadyRecorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.events.append((bucket.index(), bucket.buffer().numel(), state.clock(),
                          [list(g.shape) for g in bucket.gradients()]))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+    return completed(bucket.buffer())
 
 
 def _single_rank_group() -> bool:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.collectives import dense_allreduce
-from ...comm.futures import then
+from ...comm.futures import completed, then
 from ...feedback.residual import _is_named
 from .filter import narrow
 from .state import CovapState
@@ -35,12 +35,6 @@ def _timed_dense(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Fu
         return f.value()
 
     return then(fut, done)
-
-
-def _completed(buf: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
 
 
 def covap_hook(state: CovapState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -128,7 +122,7 @@ def _send(state: CovapState, bucket: dist.GradBucket, send: Optional[torch.Tenso
         buf.zero_()
         state.buckets_skipped += 1
         state.end_bucket(bucket)
-        return _decide(state, bucket, _completed(buf))
+        return _decide(state, bucket, completed(buf))
     if last:
         send = torch.cat([send, guard.local_element(send.dtype, send.device)])
     state.count_collective(send)

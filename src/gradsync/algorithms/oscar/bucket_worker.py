@@ -13,20 +13,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["OrderedBucketWorker", "check_cpu", "completed_future", "dense_bucket", "reduce_bucket"]
+from ...comm.futures import completed
+
+__all__ = ["OrderedBucketWorker", "check_cpu", "dense_bucket", "reduce_bucket"]
 
 
 def check_cpu(buf: torch.Tensor) -> None:
     """Raise ``ValueError`` if ``buf`` is not a CPU tensor (the coders and sketches run on CPU)."""
     if buf.device.type != "cpu":
         raise ValueError(f"OSCAR/count-sketch hooks need CPU buckets (Gloo), got device {buf.device}")
-
-
-def completed_future(t: torch.Tensor) -> torch.futures.Future:
-    """A Future already holding ``t``."""
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(t)
-    return fut
 
 
 class OrderedBucketWorker:
@@ -78,7 +73,7 @@ class OrderedBucketWorker:
 
     def _submit(self, work: Callable[[], torch.Tensor]) -> torch.futures.Future:
         if not self._runs_in_background():
-            return completed_future(work())
+            return completed(work())
         pool = self.__dict__.get("_pool")
         if pool is None:
             from concurrent.futures import ThreadPoolExecutor
