@@ -182,14 +182,12 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
         probe = None
-        stage = _next_stage(metered, errors, simulated, prof, world, bandwidth, allowed, optimizer, shortlist)
-        while stage:
+        while stage := _next_stage([e for e in metered if e not in errors], errors, simulated, prof, world,
+                                   bandwidth, allowed, optimizer, shortlist):
             if probe is None:
                 probe = QualityProbe(model, batches, loss_fn, make_optimizer, stage, bucket_cap_mb,
                                      process_group=group, seed=seed)
             errors.update(probe.measure(stage))
-            stage = _next_stage([e for e in metered if e not in errors], errors, simulated, prof, world, bandwidth,
-                                allowed, optimizer, shortlist)
         phases["quality"] = time.perf_counter() - t0
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
         short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)
