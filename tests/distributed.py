@@ -10,8 +10,10 @@ rank that does not finish within ``timeout`` seconds is killed and reported.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import gc
 import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -95,6 +97,8 @@ def _job_rank(rank, world, fn, args, cwd, log):
     os.dup2(fd, 1)
     os.close(fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # (not pytest's capture, which the fork inherited)
+    # a rank stopped at the timeout writes every thread's stack into its log (a hang shows where)
+    faulthandler.register(signal.SIGTERM, file=sys.stdout, all_threads=True, chain=True)
     accelerate_state = sys.modules.get("accelerate.state")
     if accelerate_state is not None:  # a singleton a fresh torchrun rank would not have (the parent's, non-distributed)
         accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
