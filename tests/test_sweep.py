@@ -204,3 +204,28 @@ def test_cli_refuses_before_any_run_where_no_cluster_can_be_built(tmp_path, monk
     rc = main(["sweep", "--algorithms", "allreduce,fp16", "--bandwidths", "5", "--out", str(tmp_path)])
     assert rc == 1 and not ran and not any(tmp_path.iterdir())
     assert "cannot build one: not root" in capsys.readouterr().err
+
+
+def test_a_sweep_writes_its_accuracy_cost_rows_with_provenance(tmp_path):
+    import argparse
+
+    from gradsync.bench.accuracy_costs import SCHEMA, merge_rows
+    from gradsync.cli.sweep import _write_cost_rows
+
+    # "slow" reaches the target at step 40 on seeds 0-2 and misses it on seeds 3 and 4
+    slow = [[[10, 9.0, 0.5], [40, 9.0, 0.95 if s < 3 else 0.8]] for s in SEEDS]
+    merged = merge_quality([_quality_bench("allreduce", DENSE), _quality_bench("fast", FAST, 0.905),
+                            _quality_bench("slow", slow, 0.905)])
+    args = argparse.Namespace(model=None, out=str(tmp_path), argv=["sweep", "--algorithms", "allreduce,fast,slow"])
+    data = json.loads(_write_cost_rows(merged, args).read_text())
+    assert data["schema"] == SCHEMA
+    fast, slow_row = data["rows"]
+    assert (fast["entry"], fast["model"], fast["world_size"], fast["optimizer"]) == ("fast", "fashion-mnist:resnet8", 2, "sgd")
+    # olympic mean over 5 seeds (20, 20, 20, 30, 20 -> 20); dense reached on 3 of 5 seeds: never, so the budget
+    assert (fast["steps"], fast["per_seed_steps"], fast["not_reached"]) == (20, [20, 20, 20, 30, 20], False)
+    assert fast["dense_steps"] == 40 and fast["budget_steps"] == 40
+    assert slow_row["per_seed_steps"] == [40, 40, 40, None, None] and slow_row["not_reached"]
+    assert fast["source"] == "gradsync sweep --algorithms allreduce,fast,slow" and fast["commit"] and fast["machine"]
+    # a row of the same model, world size, entry and command replaces the old one; others stay
+    old = [dict(fast, steps=99), dict(fast, source="another grid")]
+    assert merge_rows(old, [fast]) == [old[1], fast]

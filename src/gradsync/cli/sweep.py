@@ -115,4 +115,24 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"prediction {'HOLDS' if v['holds'] else 'DOES NOT HOLD'} within {TOLERANCE:.0%} "
               f"(largest error {largest})")
     print(f"wrote {Path(args.out) / 'sweep.json'}")
+    if "allreduce" in q["entries"]:
+        print(f"wrote {_write_cost_rows(q, args)}")
     return 0
+
+
+def _write_cost_rows(quality: dict, args: argparse.Namespace) -> Path:
+    """The sweep's accuracy-cost rows (:mod:`gradsync.bench.accuracy_costs`) as ``OUT/accuracy_costs.json``."""
+    import json
+    import shlex
+    from pathlib import Path
+
+    from ..bench.accuracy_costs import SCHEMA, cost_rows, provenance
+    from ..workloads import get_workload
+
+    workload = get_workload(quality["workload"], args.model)
+    commit, machine = provenance()
+    rows = cost_rows(quality, model=workload.key, optimizer=workload.optimizer,
+                     command=shlex.join(["gradsync", *args.argv]), commit=commit, machine=machine)
+    path = Path(args.out) / "accuracy_costs.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "rows": rows}, indent=1))
+    return path
