@@ -90,13 +90,17 @@ def test_periodic_settings_are_predicted_but_never_ranked():
     rows = periodic_predictions(PROFILE, 2, 20)
     assert [r.entry for r in rows] == ["local-sgd:period=4", "local-sgd:period=16", "local-sgd:period=64",
                                        "diloco:period=4", "diloco:period=16", "diloco:period=64",
-                                       "diloco:period=16:fragments=4"]
+                                       "diloco:period=16:fragments=4", "diloco:period=16:fragments=4:overlap=3"]
     one_sync = allreduce_time(PROFILE.total_numel * 4, 2, Network.from_mbit(20))
     ddp = advise(PROFILE, 2, 20).predictions
     ddp_s = next(r.iteration_s for r in ddp if r.entry == "allreduce")
     for r in rows:
-        period = make_options(*parse_entry(r.entry)).period  # a valid entry (fragments <= period)
-        assert r.iteration_s == pytest.approx(PROFILE.compute_s + one_sync / period, rel=0.01), r.entry
+        options = make_options(*parse_entry(r.entry))  # a valid entry (fragments <= period, overlap in range)
+        fragments, overlap = getattr(options, "fragments", 1), getattr(options, "overlap", 0)
+        # each of the F syncs of a period: what the next `overlap` iterations' compute cannot hide
+        per_sync = max(0.0, one_sync / fragments - overlap * PROFILE.compute_s)
+        assert r.iteration_s == pytest.approx(PROFILE.compute_s + fragments * per_sync / options.period,
+                                              rel=0.01, abs=1e-6), r.entry
         assert r.speedup == pytest.approx(ddp_s / r.iteration_s)
         assert not r.measured and r.cost == PERIODIC_COST and r.time_to_quality_s is None
         assert train_command(r.entry).startswith(f"gradsync train --algorithm {parse_entry(r.entry)[0]} --period")
@@ -152,7 +156,7 @@ def test_cli_fashion_mnist(tmp_path, capsys):
             "bucket_cap_mb", "errors"} <= set(d) and d["quality_ranks"] == 2
     assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
     assert d["ccr"] > 0 and {p["entry"] for p in d["predictions"]} == set(ENTRIES)
-    assert len(d["periodic"]) == 7 and "DiLoCo" in text and all(p["cost"] == PERIODIC_COST
+    assert len(d["periodic"]) == 8 and "DiLoCo" in text and all(p["cost"] == PERIODIC_COST
                                                                     for p in d["periodic"])
     # every lossy hook the simulator gives a chance was measured on this model: errors in [0, 2), the
     # casts near 0, PowerSGD's error falling with its rank

@@ -273,6 +273,22 @@ def test_periodic_plan_mean_iteration_is_compute_plus_one_allreduce_per_period()
     assert make_plan("periodic:64").period == 64 and make_plan("periodic").period == 16
 
 
+def test_an_overlapped_sync_is_charged_only_what_the_next_iterations_cannot_hide():
+    prof = synthetic_profile([300_000, 700_000], 0.01, 0.03, 0.002, ready_s=[0.01, 0.03])
+    per_sync = lambda net, period: allreduce_time(prof.total_numel * 4 / 4, 2, net)  # noqa: E731 (one fragment)
+    compute = prof.compute_s
+    for net, eta in ((Network(1.0), 1.0), (Network.from_mbit(5), 1.0), (Network.from_mbit(5), 0.5)):
+        blocking = simulate(prof, PeriodicPlan(16, fragments=4), 2, net, eta).iteration_s
+        hidden = simulate(prof, PeriodicPlan(16, fragments=4, overlap=3), 2, net, eta).iteration_s
+        exposed = max(0.0, per_sync(net, 16) - eta * 3 * compute)
+        assert hidden == pytest.approx(compute + 4 * exposed / 16, rel=1e-9)
+        assert blocking == pytest.approx(compute + 4 * per_sync(net, 16) / 16, rel=1e-9)
+    # at 1 Gbit/s a fragment's all-reduce (8 ms) hides under 3 iterations (126 ms): compute only
+    assert simulate(prof, PeriodicPlan(16, fragments=4, overlap=3), 2, Network(1.0)).iteration_s == \
+        pytest.approx(compute)
+    assert "tau=3" in PeriodicPlan(16, fragments=4, overlap=3).name
+
+
 def test_make_plan_specs():
     assert make_plan("dense").name == "dense"
     assert make_plan("allreduce").name == "dense"
@@ -297,6 +313,8 @@ def test_make_plan_specs():
     lambda: PeriodicPlan(0),
     lambda: PeriodicPlan(4, fragments=5),
     lambda: PeriodicPlan(4, bytes_per_element=0),
+    lambda: PeriodicPlan(16, fragments=4, overlap=4),
+    lambda: CommStep("allreduce", 8.0, "backward", 1),
     lambda: CovapPlan.build([], 2),
     lambda: simulate(synthetic_profile([10], 0, 1), "dense", 0, NET),
     lambda: simulate(synthetic_profile([10], 0, 1), "dense", 2, 1.0),

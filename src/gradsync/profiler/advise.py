@@ -88,13 +88,16 @@ def periodic_candidates() -> list[tuple[str, str, AlgorithmPlan]]:
         *[(f"local-sgd:period={h}", f"local SGD H={h}", PeriodicPlan(h)) for h in (4, 16, 64)],
         *[(f"diloco:period={h}", f"DiLoCo H={h}", PeriodicPlan(h)) for h in (4, 16, 64)],
         ("diloco:period=16:fragments=4", "Streaming DiLoCo H=16, 4 fragments", PeriodicPlan(16, fragments=4)),
+        ("diloco:period=16:fragments=4:overlap=3", "Streaming DiLoCo H=16, 4 fragments, overlapped 3 steps",
+         PeriodicPlan(16, fragments=4, overlap=3)),
     ]
 
 
 def periodic_predictions(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
                          latency_s: float = 0.0, overlap_efficiency: float = 1.0) -> tuple[Prediction, ...]:
     """The simulated iteration of every :func:`periodic_candidates` setting (seconds, the mean over its
-    period: compute + one all-reduce of the float32 parameters per period, not overlapped) and its
+    period: compute + one all-reduce of the float32 parameters per period, not overlapped, or with
+    ``overlap`` only what the next iterations' compute cannot hide) and its
     speed-up over DDP's simulated iteration; ``extra_steps`` ``None`` and ``cost``
     :data:`PERIODIC_COST` (never measured here).
 

@@ -15,7 +15,8 @@ alpha-beta network (:mod:`gradsync.sim.costmodel`):
   every later ready time moves by the stall.
 * Iteration time ``= max(forward_end + backward_s + stalls, end of last backward-phase collective)
   + optimizer_s + compression overhead + the "after_step" collectives`` (run back to back after the
-  optimizer step, overlapping nothing: the periodic algorithms' syncs,
+  optimizer step, overlapping nothing, or only the compute of the next ``overlap_steps`` iterations: the
+  periodic algorithms' syncs,
   :class:`~gradsync.sim.plans.PeriodicPlan`). ``forward_end = forward_s`` unless the plan has
   forward-phase collectives (DeAR's all-gathers, see :class:`~gradsync.sim.plans.DeARPlan`).
 * Compute-only time ``= forward_s + backward_s + optimizer_s``; exposed communication
@@ -145,11 +146,11 @@ def _simulate_step(profile: Profile, plans: list[BucketPlan], p: int, net: Netwo
             wire += _wire_bytes(s.kind, s.nbytes, p)
     overhead = sum(bp.overhead_s for bp in plans)
     iteration = max(forward_end + profile.backward_s + stall, comm_free) + profile.optimizer_s + overhead
-    for bp in plans:  # after the optimizer step, nothing to overlap with: back to back
+    for bp in plans:  # after the optimizer step, back to back; hidden only by later iterations' compute
         for s in bp.steps:
             if s.phase == "after_step":
                 cost = collective_time(s.kind, s.nbytes, p, net)
-                iteration += cost
+                iteration += max(0.0, cost - eta * s.overlap_steps * profile.compute_s)
                 comm_busy += cost
     return iteration, overhead, comm_busy, payload, wire
 

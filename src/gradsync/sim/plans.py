@@ -52,11 +52,13 @@ class CommStep:
     ``"backward"`` collectives to finish, stalling backward meanwhile: powersgd-overlap's Q after P)
     or ``"after_step"`` (launched after the optimizer step, once every backward-phase collective has
     finished, and waited for before the next iteration: nothing overlaps it; the periodic algorithms'
-    syncs)."""
+    syncs). ``overlap_steps`` (``"after_step"`` only): the collective is waited for only after that
+    many further iterations, whose compute hides it (diloco's ``overlap``)."""
 
     kind: str
     nbytes: float
     phase: str = "backward"
+    overlap_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in COLLECTIVES:
@@ -64,6 +66,8 @@ class CommStep:
         object.__setattr__(self, "nbytes", check_float("nbytes", self.nbytes, 0.0))
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}; got {self.phase!r}")
+        limit = 0 if self.phase != "after_step" else 1_000_000
+        check_int("overlap_steps", self.overlap_steps, 0, limit)
 
 
 @dataclass(frozen=True)
@@ -296,30 +300,36 @@ class PeriodicPlan(AlgorithmPlan):
     :func:`gradsync.comm.fragments.fragment_at` gives (the algorithm's own schedule), ``F`` syncs per
     period; the simulator's fragments are equal element counts (``(f+1) N // F - f N // F``, where the
     algorithm cuts between whole tensors; the profile need not record the shapes). Floating buffers
-    (BatchNorm statistics) are not in the profile and not simulated, nor is diloco's ``overlap`` (an
-    all-reduce hidden behind the next inner steps): every sync is charged as blocking, an upper bound.
+    (BatchNorm statistics) are not in the profile and not simulated.
 
     The mean iteration over the period is ``compute + allreduce(N x bytes_per_element) / period``
-    (with ``F > 1`` plus ``F - 1`` all-reduce latencies per period). Compute overheads (the outer
-    optimizer step, the casts) are not charged. ``period`` is the plan's period (:func:`simulate`
-    averages steps ``0 .. period-1``, step ``s`` being the algorithm's inner step ``s + 1``).
+    (with ``F > 1`` plus ``F - 1`` all-reduce latencies per period). With diloco's ``overlap = tau``
+    (Streaming DiLoCo, arXiv 2501.18512, Sec. 2.3) each sync's all-reduce runs behind the next ``tau``
+    iterations and only what they cannot hide is charged: ``max(0, allreduce - eta x tau x compute)``
+    per sync, ``eta`` the simulation's ``overlap_efficiency`` (the rate a collective progresses while
+    compute runs; the compute is not slowed in turn, so a lower bound where they share CPUs). Compute
+    overheads (the outer optimizer step, the casts) are not charged. ``period`` is the plan's period
+    (:func:`simulate` averages steps ``0 .. period-1``, step ``s`` being the algorithm's inner step ``s + 1``).
 
     Args:
         period: ``H >= 1`` inner steps per sync (per fragment).
         fragments: ``F`` in ``[1, period]``.
         bytes_per_element: bytes per element on the wire, > 0: 4 for float32, 2 for diloco's
             ``outer_dtype`` fp16 or bf16.
+        overlap: diloco's ``tau`` in ``[0, period // fragments - 1]``.
 
     Raises:
         ValueError: naming the argument and its range.
     """
 
-    def __init__(self, period: int, fragments: int = 1, bytes_per_element: float = 4) -> None:
+    def __init__(self, period: int, fragments: int = 1, bytes_per_element: float = 4, overlap: int = 0) -> None:
         self.period = check_int("period", period, 1)
         self.fragments = check_int("fragments", fragments, 1, self.period)
         self.bytes_per_element = check_float("bytes_per_element", bytes_per_element, 0.0, low_inclusive=False)
+        self.overlap = check_int("overlap", overlap, 0, self.period // self.fragments - 1)
         extra = "" if self.fragments == 1 else f", F={self.fragments}"
         extra += "" if self.bytes_per_element == 4 else f", {self.bytes_per_element:g} B"
+        extra += "" if self.overlap == 0 else f", tau={self.overlap}"
         self.name = f"periodic(H={self.period}{extra})"
 
     def bucket_plans(self, profile: Profile, world_size: int, step: int) -> list[BucketPlan]:
@@ -328,7 +338,8 @@ class PeriodicPlan(AlgorithmPlan):
         if f is not None:
             n, k = profile.total_numel, self.fragments
             elements = (f + 1) * n // k - f * n // k
-            plans[-1] = BucketPlan((CommStep("allreduce", elements * self.bytes_per_element, "after_step"),))
+            plans[-1] = BucketPlan((CommStep("allreduce", elements * self.bytes_per_element, "after_step",
+                                             self.overlap),))
         return plans
 
 
