@@ -307,7 +307,8 @@ EXPERIMENTS = [
             "--warmup", "4", "--rounds", "1"]),
     _sweep("sweep-periodic-4hosts", "Results: syncing rarely on 4 hosts (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8,"
-            "local-sgd:period=4,local-sgd:period=16,local-sgd:period=64,diloco:period=16",
+            "local-sgd:period=4,local-sgd:period=16,local-sgd:period=64,diloco:period=16,diloco:period=4,diloco:period=64,"
+            "diloco:period=16:fragments=4,torchft-diloco:period=16",
             "--seeds", "0,1,2,3,4", "--hosts", "4", "--bandwidths", "1,5,15", "--epochs", "2", "--steps", "64",
             "--warmup", "4", "--rounds", "1"]),
     Experiment("sweep-kjv", "Results: time to quality on the character transformer with AdamW (gradsync sweep)", [
@@ -315,6 +316,15 @@ EXPERIMENTS = [
                                "allreduce,fp16,powersgd:matrix_approximation_rank=4:dense_from=300,auto",
                                "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "10,30,100,300", "--eval-every",
                                "40", "--steps", "10", "--warmup", "3", "--rounds", "1"],
+            quick=["--seeds", "0", "--workload", "kjv-transformer", "--train-samples", "128", "--epochs", "1",
+                   "--eval-every", "2", "--eval-samples", "64", "--steps", "2", "--warmup", "0", "--rounds", "1"]),
+    ], sweep_table, root=True),
+    Experiment("sweep-kjv-ranks", "Results: PowerSGD's ranks on the character transformer with AdamW, the quality "
+               "model's AdamW rows (gradsync sweep)", [
+        Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
+                               "allreduce,powersgd:matrix_approximation_rank=8,powersgd:matrix_approximation_rank=4",
+                               "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "30", "--eval-every", "40",
+                               "--steps", "3", "--warmup", "1", "--rounds", "1"],
             quick=["--seeds", "0", "--workload", "kjv-transformer", "--train-samples", "128", "--epochs", "1",
                    "--eval-every", "2", "--eval-samples", "64", "--steps", "2", "--warmup", "0", "--rounds", "1"]),
     ], sweep_table, root=True),
