@@ -108,6 +108,25 @@ def _job_rank(rank, world, fn, args, cwd, log):
         sys.stdout.flush()
 
 
+def end_job(settle_s: float = 0.25) -> None:
+    """End a framework job's process group (Lightning, Accelerate and the HF Trainer keep theirs): a
+    barrier, ``settle_s`` seconds with the GIL free, then :func:`gradsync.comm.futures.shutdown_process_group`.
+    Gloo's worker frees a finished collective's work (the Trainer's last all-gather holds Python tensors,
+    whose release needs the GIL) after the caller saw it complete; dropping the group joins that worker
+    on a thread holding the GIL, a deadlock (torch issue #56297) that once kept both HF Trainer ranks from
+    exiting after their job had finished. ``examples/transformers_covap.py`` ends the same way."""
+    import time
+
+    import torch.distributed as dist
+
+    from gradsync.comm.futures import shutdown_process_group
+
+    if dist.is_initialized():
+        dist.barrier()
+        time.sleep(settle_s)
+        shutdown_process_group()
+
+
 def run_script_ranks(fn: Callable[..., Any], world_size: int, *args: Any, cwd: Any, log: Any,
                      timeout: float = 240.0) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks forked from this process with the environment

@@ -79,12 +79,11 @@ def _iteration_and_residuals(state) -> dict:
 def _destroy_process_group() -> None:
     """Shut the default process group down before the job exits (Lightning keeps it for the next
     fit): a Gloo group left to interpreter teardown aborted a rank once ("terminate called without
-    an active exception", SIGABRT) after every fit had finished, failing an otherwise passing run."""
-    import torch.distributed as dist
+    an active exception", SIGABRT) after every fit had finished, failing an otherwise passing run
+    (:func:`distributed.end_job`)."""
+    from distributed import end_job
 
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    end_job()
 
 
 def _lightning_job(out: Path) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import run_ranks, run_script_ranks
+from distributed import end_job, run_ranks, run_script_ranks
 from every_algorithm import OPTIONS as SMALL_OPTIONS
 from every_algorithm import installed_algorithms
 from gradsync.algorithms import REGISTRY
@@ -266,8 +266,7 @@ def _found(losses: list[float], model: torch.nn.Module, since: dict, now: dict) 
 def _write_job(out: Path, job: str, rank: int, resume: bool, result: dict) -> None:
     """Write this rank's ``{job}_{full,resumed}_rank{r}.json`` and shut the process group down."""
     (out / f"{job}_{'resumed' if resume else 'full'}_rank{rank}.json").write_text(json.dumps(result))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    end_job()
 
 
 def _forked(job: str, out: Path, resume: bool) -> list[dict]:
