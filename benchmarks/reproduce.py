@@ -322,7 +322,7 @@ EXPERIMENTS = [
     Experiment("sweep-kjv-ranks", "Results: PowerSGD's ranks on the character transformer with AdamW, the quality "
                "model's AdamW rows (gradsync sweep)", [
         Run("sweep", "sweep", ["--workload", "kjv-transformer", "--algorithms",
-                               "allreduce,powersgd:matrix_approximation_rank=8,powersgd:matrix_approximation_rank=4",
+                               "allreduce,powersgd:matrix_approximation_rank=16,powersgd:matrix_approximation_rank=8",
                                "--seeds", "0,1,2", "--hosts", "2", "--bandwidths", "30", "--eval-every", "40",
                                "--steps", "3", "--warmup", "1", "--rounds", "1"],
             quick=["--seeds", "0", "--workload", "kjv-transformer", "--train-samples", "128", "--epochs", "1",
