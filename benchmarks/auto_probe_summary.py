@@ -3,7 +3,7 @@
 iteration + its probe seconds. docs/results.md, "auto with a cheaper probe" (2026-11-27).
 
     python benchmarks/auto_probe_summary.py [RUNS]   # RUNS (default runs/oos2) holds time-<model>-<Mbit/s>/bench.json
-                                                     # and the ViT r=4 loopback runs vit-<entry>/bench.json
+                                                     # and the ViT's other loopback runs vit-<entry>/bench.json
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from gradsync.bench.sweep import dense_tail, dense_tail_seconds, tail_timing_ent
 
 R = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/oos2")
 # steps to the target per seed (None: missed), loopback: docs/results.md (the ViT and GRU out-of-sample sweeps, the
-# ResNet-8 "PowerSGD overlapped with backward" sweep) + the ViT r=4 runs read from RUNS
+# ResNet-8 "PowerSGD overlapped with backward" sweep) + the ViT runs read from RUNS (r=4, r=16)
 P4, O4, O8, T8 = ("powersgd:matrix_approximation_rank=4", "powersgd-overlap:matrix_approximation_rank=4",
                   "powersgd-overlap:matrix_approximation_rank=8", "powersgd:matrix_approximation_rank=8")
 STEPS = {
@@ -30,10 +30,9 @@ STEPS = {
                 T8: [858, 741, 858, 819, 819], O8: [858, 780, 780, 780, 780],
                 O4 + ":dense_from=700": [897, 858, 780, None, 819]},
 }
-for entry in (O4, P4):
-    f = R / f"vit-{entry.replace(':', '_').replace('=', '_')}" / "bench.json"
-    if f.exists():
-        STEPS["vit-tiny"][entry] = json.loads(f.read_text())["quality"]["entries"][entry]["steps_by_seed"]
+for f in sorted(R.glob("vit-*/bench.json")):  # the ViT's loopback runs of entries its sweep did not train (r=4, r=16)
+    for entry, e in json.loads(f.read_text())["quality"]["entries"].items():
+        STEPS["vit-tiny"][entry] = e["steps_by_seed"]
 
 
 def olympic(xs):
