@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,6 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=str(HERE / "data" / "probe_errors.json"))
     args = p.parse_args(argv)
+    from gradsync.bench.accuracy_costs import provenance
     from gradsync.profiler.probe import QUALITY_STEPS, measure_quality_on_loopback, quality_proxy
     from gradsync.workloads import get_workload
 
@@ -48,11 +47,9 @@ def main(argv: list[str] | None = None) -> None:
             print(model_key, world, seed, {e: round(v, 3) for e, v in errors.items()}, flush=True)
             out.append({"model": model_key, "world_size": world, "seed": seed,
                         "errors": {e: errors[e] for e in entries}, "measured_as": {e: quality_proxy(e) for e in entries}})
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=HERE).stdout.strip()
+    commit, machine = provenance(HERE)
     doc = {"schema": "gradsync-probe-errors/1", "command": "python benchmarks/probe_quality.py " + " ".join(argv or sys.argv[1:]),
-           "commit": commit, "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, 2 cores, no GPU",
-           "quality_steps": QUALITY_STEPS, "jobs": out}
+           "commit": commit, "machine": machine, "quality_steps": QUALITY_STEPS, "jobs": out}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print("wrote", args.out)
 
