@@ -294,6 +294,13 @@ EXPERIMENTS = [
             "powersgd-overlap:matrix_approximation_rank=8,auto", "--seeds", "0,1,2,3,4", "--hosts", "2",
             "--bandwidths", "5,40", "--epochs", "2", "--eval-every", "52", "--eval-samples", "5000", "--rounds", "3"],
            quick=("--model", "vit-tiny")),
+    _sweep("oos-vit-4hosts", "Results: auto out of sample, the ViT with AdamW on 4 hosts (gradsync sweep)",
+           ["--model", "vit-tiny", "--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=4,"
+            "powersgd-overlap:matrix_approximation_rank=4,powersgd:matrix_approximation_rank=8,"
+            "powersgd-overlap:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=16,auto",
+            "--seeds", "0,1,2,3,4", "--hosts", "4", "--bandwidths", "5,40", "--epochs", "2", "--eval-every", "26",
+            "--eval-samples", "5000", "--rounds", "3"],
+           quick=("--model", "vit-tiny")),
     *(_sweep(name, f"Results: auto out of sample, the GRU with SGD{where} (gradsync sweep)",
              ["--model", "gru", "--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=4,"
               "powersgd-overlap:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=8,auto",
