@@ -109,8 +109,9 @@ def _job_rank(rank, world, fn, args, cwd, log):
 
 
 def end_job(settle_s: float = 0.25) -> None:
-    """End a framework job's process group (Lightning, Accelerate and the HF Trainer keep theirs): a
-    barrier, ``settle_s`` seconds with the GIL free, then :func:`gradsync.comm.futures.shutdown_process_group`.
+    """End a framework job's process group (Lightning, Accelerate and the HF Trainer keep theirs; a Gloo
+    group left to interpreter teardown once aborted a rank after every fit had finished): a barrier,
+    ``settle_s`` seconds with the GIL free, then :func:`gradsync.comm.futures.shutdown_process_group`.
     Gloo's worker frees a finished collective's work (the Trainer's last all-gather holds Python tensors,
     whose release needs the GIL) after the caller saw it complete; dropping the group joins that worker
     on a thread holding the GIL, a deadlock (torch issue #56297) that once kept both HF Trainer ranks from

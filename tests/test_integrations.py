@@ -32,6 +32,7 @@ from typing import Callable
 import pytest
 
 from cli_runner import run_tree
+from distributed import end_job
 
 HERE = Path(__file__).resolve()
 WORLD = 2
@@ -74,16 +75,6 @@ def _iteration_and_residuals(state) -> dict:
     if hasattr(state, "filter"):
         out["residuals"] = _residual_sums(state)
     return out
-
-
-def _destroy_process_group() -> None:
-    """Shut the default process group down before the job exits (Lightning keeps it for the next
-    fit): a Gloo group left to interpreter teardown aborted a rank once ("terminate called without
-    an active exception", SIGABRT) after every fit had finished, failing an otherwise passing run
-    (:func:`distributed.end_job`)."""
-    from distributed import end_job
-
-    end_job()
 
 
 def _lightning_job(out: Path) -> None:
@@ -177,7 +168,7 @@ def _lightning_job(out: Path) -> None:
     rank = int(os.environ["RANK"])
     _lightning_auto(out, rank, fit, result)
     (out / f"lightning_rank{rank}.json").write_text(json.dumps(result))
-    _destroy_process_group()
+    end_job()
 
 
 def _auto_record(result: dict, key: str, choice, stats: dict) -> None:
@@ -321,7 +312,7 @@ def _accelerate_job(out: Path) -> None:
         result["resume_error"] = f"{type(exc).__name__}: {exc}"
     _accelerate_auto(out, rank, run, save_at, result)
     (out / f"accelerate_rank{rank}.json").write_text(json.dumps(result))
-    _destroy_process_group()
+    end_job()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from test_integrations import (VOTE, K, WARMUP, _auto_record, _destroy_process_group, _launch, _recorded_differently,
-                               check_auto_resume, check_auto_run)
+from distributed import end_job
+from test_integrations import (VOTE, K, WARMUP, _auto_record, _launch, _recorded_differently, check_auto_resume,
+                               check_auto_run)
 
 STEPS = WARMUP + 2 * K          # 10 optimizer steps, 8 of them compressed
 SAVE_AT = WARMUP + K            # checkpoint-6: residuals are non-zero there
@@ -126,7 +127,7 @@ def _job(out: Path) -> None:
     result["hook_file"] = HOOK_STATE_FILE
     _auto(out, rank, train, result)
     (out / f"trainer_rank{rank}.json").write_text(json.dumps(result))
-    _destroy_process_group()
+    end_job()
 
 
 def _auto(out: Path, rank: int, train, result: dict) -> None:

@@ -78,9 +78,10 @@ def cost_rows(quality: dict[str, Any], *, model: str, optimizer: str, command: s
         raise ValueError(f"dense must be an entry of the sweep ({', '.join(entries)}); got {dense!r}")
     budget = int(quality["budget_steps"])
     dense_steps = aggregate_steps(entries[dense]["steps_by_seed"])
+    skipped = {dense, *skip}
     rows = []
     for entry, e in entries.items():
-        if entry == dense or entry in set(skip):
+        if entry in skipped:
             continue
         per_seed = [None if s is None else int(s) for s in e["steps_by_seed"]]
         steps = aggregate_steps(per_seed)
@@ -100,5 +101,8 @@ def cost_rows(quality: dict[str, Any], *, model: str, optimizer: str, command: s
 def merge_rows(existing: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``existing`` with ``new`` appended, a new row replacing an existing one of the same model,
     world size, entry and source command (the same grid run again)."""
-    keys = {(r["model"], r["world_size"], r["entry"], r["source"]) for r in new}
-    return [r for r in existing if (r["model"], r["world_size"], r["entry"], r.get("source")) not in keys] + list(new)
+    def key(r: dict[str, Any]) -> tuple:
+        return r["model"], r["world_size"], r["entry"], r.get("source")
+
+    keys = {key(r) for r in new}
+    return [r for r in existing if key(r) not in keys] + list(new)

@@ -66,8 +66,7 @@ class CommStep:
         object.__setattr__(self, "nbytes", check_float("nbytes", self.nbytes, 0.0))
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}; got {self.phase!r}")
-        limit = 0 if self.phase != "after_step" else 1_000_000
-        check_int("overlap_steps", self.overlap_steps, 0, limit)
+        check_int("overlap_steps", self.overlap_steps, 0, None if self.phase == "after_step" else 0)
 
 
 @dataclass(frozen=True)
