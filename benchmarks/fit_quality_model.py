@@ -6,7 +6,7 @@ its leave-one-workload-out cross-validated error.
 
 A point is a row of the accuracy costs (a setting's steps to quality against dense in the same grid)
 with the start-up error ``benchmarks/probe_quality.py`` measured for that setting on that model and
-world size (mean over its seeds). Lossless rows (error 0: allreduce, fp16, bf16) count. A row with a
+world size and the gradient noise measured with it (each the mean over its seeds). Lossless rows (error 0: allreduce, fp16, bf16) count. A row with a
 dense tail is a point only where it missed the target (the compressed phase alone would have missed
 too); one that reached says nothing about the compressed setting without its tail.
 """
@@ -30,7 +30,9 @@ def points(costs_path: str, errors_path: str):
 
     rows = json.load(open(costs_path))["rows"]
     measured: dict[tuple[str, int, str], list[float]] = {}
+    noise: dict[tuple[str, int], list[float]] = {}
     for job in json.load(open(errors_path))["jobs"]:
+        noise.setdefault((job["model"], job["world_size"]), []).append(job["noise"])
         for entry, err in job["errors"].items():
             measured.setdefault((job["model"], job["world_size"], entry), []).append(err)
     out = []
@@ -42,8 +44,8 @@ def points(costs_path: str, errors_path: str):
         if key not in measured:
             raise SystemExit(f"no probe error for {key}: run benchmarks/probe_quality.py")
         extra = math.inf if r["not_reached"] else r["steps"] / r["dense_steps"] - 1
-        out.append(QualityPoint(statistics.mean(measured[key]), extra, f"{r['model']} x{r['world_size']}",
-                                r["optimizer"], r["entry"]))
+        out.append(QualityPoint(statistics.mean(measured[key]), statistics.mean(noise[key[:2]]), r["world_size"],
+                                extra, f"{r['model']} x{r['world_size']}", r["optimizer"], r["entry"]))
     return out
 
 
@@ -55,13 +57,13 @@ def main(argv: list[str] | None = None) -> None:
     from gradsync.profiler.quality_model import cross_validate, fit
 
     pts = points(args.costs, args.errors)
-    print(f"{'workload':<40} {'entry':<58} {'error':>6} {'extra':>7}")
+    print(f"{'workload':<40} {'entry':<58} {'error':>6} {'noise':>6} {'ratio':>6} {'extra':>7}")
     for q in sorted(pts, key=lambda q: (q.workload, q.error)):
-        print(f"{q.workload:<40} {q.entry:<58} {q.error:6.3f} {'miss' if math.isinf(q.extra) else f'{q.extra:+.3f}':>7}")
+        extra = "miss" if math.isinf(q.extra) else f"{q.extra:+.3f}"
+        print(f"{q.workload:<40} {q.entry:<58} {q.error:6.3f} {q.noise:6.3f} {q.ratio:6.3f} {extra:>7}")
     model = fit(pts)
     cv = cross_validate(pts)
-    print(f"fit: max_error={model.max_error:.3f} max_error_adaptive={model.max_error_adaptive:.3f} "
-          f"slope={model.slope:.3f}")
+    print(f"fit: limit={model.limit:.3f} slope={model.slope:.3f}")
     print(f"leave-one-workload-out: {cv['misclassified']} of {cv['points']} points misclassified (reach/miss) over "
           f"{cv['workloads']} workloads; mean absolute error of the extra-steps fraction {cv['mae_extra']:.3f}")
 

@@ -2,7 +2,8 @@
 setting in ``benchmarks/data/accuracy_costs.json`` on the model and world size it was measured at, as
 ``--algorithm auto`` measures it on a job (the workload's optimizer at its recipe's learning rate, each
 rank its own batches of the recipe's size, DDP's automatic buckets, :data:`QUALITY_STEPS` measured
-steps), and write ``benchmarks/data/probe_errors.json``: the inputs of
+steps) and the job's gradient noise on the same steps, and write ``benchmarks/data/probe_errors.json``:
+the inputs of
 ``benchmarks/fit_quality_model.py``.
 
     python benchmarks/probe_quality.py [--seeds 0,1,2] [--out benchmarks/data/probe_errors.json]
@@ -43,12 +44,14 @@ def main(argv: list[str] | None = None) -> None:
         for seed in [int(s) for s in args.seeds.split(",")]:
             name, _, arch = model_key.partition(":")
             batch_size = get_workload(name, arch or None).defaults["batch_size"]
-            errors = measure_quality_on_loopback(model_key, batch_size, entries, world, seed=seed)
-            print(model_key, world, seed, {e: round(v, 3) for e, v in errors.items()}, flush=True)
-            out.append({"model": model_key, "world_size": world, "seed": seed,
-                        "errors": {e: errors[e] for e in entries}, "measured_as": {e: quality_proxy(e) for e in entries}})
+            quality = measure_quality_on_loopback(model_key, batch_size, entries, world, seed=seed)
+            print(model_key, world, seed, f"noise {quality.noise:.3f}",
+                  {e: round(v, 3) for e, v in quality.errors.items()}, flush=True)
+            out.append({"model": model_key, "world_size": world, "seed": seed, "noise": quality.noise,
+                        "errors": {e: quality.errors[e] for e in entries},
+                        "measured_as": {e: quality_proxy(e) for e in entries}})
     commit, machine = provenance(HERE)
-    doc = {"schema": "gradsync-probe-errors/1", "command": "python benchmarks/probe_quality.py " + " ".join(argv or sys.argv[1:]),
+    doc = {"schema": "gradsync-probe-errors/2", "command": "python benchmarks/probe_quality.py " + " ".join(argv or sys.argv[1:]),
            "commit": commit, "machine": machine, "quality_steps": QUALITY_STEPS, "jobs": out}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print("wrote", args.out)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import replace
 import shutil
 
 import pytest
 
 from gradsync.profiler.advise import advise
 from gradsync.profiler.auto import effective_bandwidth_mbit
-from gradsync.profiler.quality_model import FITTED, QualityModel, QualityPoint, cross_validate, fit
+from gradsync.profiler.quality_model import FITTED, QualityModel, QualityPoint, cross_validate, error_to_noise, fit
 from gradsync.profiler.profile import ccr_at
 from gradsync.sim import synthetic_profile
 from gradsync.train.config import TrainConfig
@@ -30,20 +31,26 @@ def test_effective_bandwidth_reproduces_the_measured_all_reduce_time():
 
 
 def test_auto_weighs_iteration_time_with_extra_steps_predicted_from_the_measured_error():
-    model = QualityModel(max_error=0.4, slope=0.2, max_error_adaptive=0.1)
+    model = QualityModel(limit=0.8, slope=0.2)
     slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)  # a dense all-reduce of 10x the backward pass
     errors = {"fp16": 0.0003, "powersgd:matrix_approximation_rank=4": 0.3, "powersgd:matrix_approximation_rank=1": 0.8}
-    a = advise(PROFILE, 2, slow_bw, errors=errors, model=model, optimizer="sgd")
+    a = advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.5)
     assert a.ccr == pytest.approx(10.0) and a.choice.entry == "powersgd:matrix_approximation_rank=4"
     r4 = next(r for r in a.predictions if r.entry == "powersgd:matrix_approximation_rank=4")
-    assert r4.extra_steps == pytest.approx(0.2 * 0.3 ** 2) and "error 0.30" in r4.cost
-    assert r4.time_to_quality_s == pytest.approx(r4.iteration_s * (1 + 0.2 * 0.09))
-    # r=1 is faster per iteration but its error is above the limit: predicted to miss
+    assert r4.extra_steps == pytest.approx(0.2 * 0.6 ** 2) and "error 0.30 = 0.60 x noise" in r4.cost
+    assert r4.time_to_quality_s == pytest.approx(r4.iteration_s * (1 + 0.2 * 0.36))
+    # r=1 is faster per iteration but its error, 1.6 x the noise, is above the limit: predicted to miss
     k4 = next(r for r in a.predictions if r.entry == "powersgd:matrix_approximation_rank=1")
     assert k4.iteration_s < r4.iteration_s and k4.time_to_quality_s == float("inf") and "miss" in k4.cost
     assert not next(r for r in a.predictions if r.entry == "bf16").measured  # no error measured: not chosen
-    # AdamW: the adaptive limit (0.1) rules PowerSGD out; fp16 (error 0.0003) is left
-    assert advise(PROFILE, 2, slow_bw, errors=errors, model=model, optimizer="adamw").choice.entry == "fp16"
+    # quieter gradients (noise 0.2): r=4's 0.3 is 1.5 x the noise and misses; fp16 (error 0.0003) is left
+    assert advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.2).choice.entry == "fp16"
+    # at 5 ranks the same noise of one rank's gradient means half as much in the average: r=4 misses there too
+    assert advise(PROFILE, 5, slow_bw, errors=errors, model=model, noise=0.5).predictions[0].entry != (
+        "powersgd:matrix_approximation_rank=4")
+    # errors without the noise: only the casts count (their rounding), the rest is not measured
+    blind = advise(PROFILE, 2, slow_bw, errors=errors, model=model)
+    assert blind.choice.entry == "fp16" and not next(r for r in blind.predictions if "rank=4" in r.entry).measured
     # nothing measured: DeAR (DDP's arithmetic) is the only alternative, too little faster
     bare = advise(PROFILE, 2, slow_bw, model=model)
     assert bare.choice.entry == "allreduce" and "alternative, DeAR" in bare.reason
@@ -60,22 +67,30 @@ def test_auto_weighs_iteration_time_with_extra_steps_predicted_from_the_measured
 
 def test_quality_model_fit_and_cross_validation():
     inf = float("inf")
-    points = [QualityPoint(0.0, 0.0, "a"), QualityPoint(0.2, 0.02, "a"), QualityPoint(0.55, inf, "a"),
-              QualityPoint(0.3, 0.03, "b"), QualityPoint(0.7, inf, "b"), QualityPoint(0.1, inf, "c", "adamw")]
+    # noise 1 at 2 ranks: the ratio is the error; "c" has quiet gradients (0.1 of noise), "d" 5 ranks
+    points = [QualityPoint(0.0, 1.0, 2, 0.0, "a"), QualityPoint(0.2, 1.0, 2, 0.02, "a"),
+              QualityPoint(0.55, 1.0, 2, inf, "a"), QualityPoint(0.3, 1.0, 2, 0.03, "b"),
+              QualityPoint(0.7, 1.0, 2, inf, "b"), QualityPoint(0.06, 0.1, 2, inf, "c", "adamw"),
+              QualityPoint(0.1, 1.0, 5, 0.01, "d")]
+    assert points[5].ratio == pytest.approx(0.6) and points[6].ratio == pytest.approx(0.2)
     m = fit(points)
-    assert m.max_error == pytest.approx(0.425)  # between the largest reached (0.3) and the smallest missed (0.55)
-    assert m.max_error_adaptive == pytest.approx(0.05)  # only below the Adam-family miss
-    assert m.slope == pytest.approx((0.02 * 0.04 + 0.03 * 0.09) / (0.2 ** 4 + 0.3 ** 4))
-    assert m.extra_steps(0.45) == inf and m.extra_steps(0.2, "sgd") == pytest.approx(m.slope * 0.04)
-    assert m.extra_steps(0.08, "adamw") == inf
+    assert m.limit == pytest.approx(0.425)  # between the largest reached (0.3) and the smallest missed (0.55)
+    reached = [(0.02, 0.2), (0.03, 0.3), (0.01, 0.2)]
+    assert m.slope == pytest.approx(sum(x * r * r for x, r in reached) / sum(r ** 4 for _, r in reached))
+    assert m.extra_steps(0.45, 1.0, 2) == inf and m.extra_steps(0.2, 1.0, 2) == pytest.approx(m.slope * 0.04)
+    assert m.extra_steps(0.2, 0.4, 2) == inf and m.extra_steps(0.2, 1.0, 5) == pytest.approx(m.slope * 0.16)
     cv = cross_validate(points)
-    # held out, "c" (the only AdamW point) is predicted to reach: the one misclassified point
-    assert cv["points"] == 6 and cv["workloads"] == 3 and cv["misclassified"] == 1
+    # held out, every point is called right: "c"'s 0.06 misses as 0.6 x its noise, above 0.425
+    assert cv["points"] == 7 and cv["workloads"] == 4 and cv["misclassified"] == 0
+    assert cross_validate([replace(p, noise=1.0) if p.workload == "c" else p for p in points])["misclassified"] == 1
     with pytest.raises(ValueError, match="error"):
-        m.extra_steps(-0.1)
+        m.extra_steps(-0.1, 1.0, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        error_to_noise(0.1, 1.0, 1)
+    assert error_to_noise(0.0, 0.0, 2) == 0 and error_to_noise(0.1, 0.0, 2) == inf
     with pytest.raises(ValueError, match="points"):
         fit([])
-    assert FITTED.max_error > FITTED.max_error_adaptive > 0 and "leave-one-workload-out" in FITTED.cv
+    assert 0 < FITTED.limit < 10 and FITTED.slope >= 0 and "leave-one-workload-out" in FITTED.cv
 
 
 def test_no_file_under_src_holds_the_grids_rows():
@@ -139,7 +154,7 @@ def _decide_at(rank, world, allreduce_times):
         g = torch.Generator().manual_seed(10 + rank)
         batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
         d = decide(PROFILE, allreduce_s, model, batches, F.cross_entropy,
-                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "sgd", 0.005)
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 0.005)
         out.append((sorted(d.iterations), d.entry, sorted(d.phases)))
     return out
 
@@ -190,14 +205,14 @@ def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_
     from gradsync.profiler.advise import CASTS
 
     slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)
-    simulated = advise(PROFILE, 2, slow_bw, optimizer="sgd")
+    simulated = advise(PROFILE, 2, slow_bw)
     metered = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if e not in CASTS]
     r16 = [e for e in metered if e.endswith("rank=16")]
     assert r16, metered
     casts = {"fp16": 0.0003, "bf16": 0.002}
-    first = _next_stage(metered, casts, simulated, PROFILE, 2, slow_bw, lambda e: True, "sgd", 3)
+    first = _next_stage(metered, casts, None, simulated, PROFILE, 2, slow_bw, lambda e: True, 3)
     assert first and not set(r16) & set(first) and set(first) == set(metered) - set(r16)
     low = {e: 0.1 for e in first}  # every cheaper rank passes: r=16 cannot enter the short-list
-    assert _next_stage(r16, {**casts, **low}, simulated, PROFILE, 2, slow_bw, lambda e: True, "sgd", 3) == []
+    assert _next_stage(r16, {**casts, **low}, 0.5, simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == []
     high = {e: 5.0 for e in first}  # every cheaper rank misses: r=16 is measured after all
-    assert _next_stage(r16, {**casts, **high}, simulated, PROFILE, 2, slow_bw, lambda e: True, "sgd", 3) == r16
+    assert _next_stage(r16, {**casts, **high}, 0.5, simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == r16

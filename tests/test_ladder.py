@@ -49,7 +49,7 @@ def _train(rank, world, name, options):
 
 
 def test_without_a_switch_the_ladder_trains_as_its_first_rung():
-    start = {"start": "powersgd-overlap/matrix_approximation_rank=2", "check_every": 3, "max_error": 10.0}
+    start = {"start": "powersgd-overlap/matrix_approximation_rank=2", "check_every": 3, "max_error_to_noise": 100.0}
     ladder = run_ranks(_train, 2, "ladder", start, timeout=180)
     plain = run_ranks(_train, 2, "powersgd-overlap", {"matrix_approximation_rank": 2}, timeout=180)
     for (lp, rungs, stats, switches, _), (pp, _, pstats, _, _) in zip(ladder, plain):
@@ -60,7 +60,7 @@ def test_without_a_switch_the_ladder_trains_as_its_first_rung():
 
 def test_above_the_limit_every_rank_escalates_alike_and_the_state_round_trips():
     out = run_ranks(_train, 2, "ladder", {"start": "powersgd-overlap/matrix_approximation_rank=4", "check_every": 2,
-                                          "max_error": 0.01}, timeout=180)
+                                          "max_error_to_noise": 0.01}, timeout=180)
     (_, rungs0, stats0, switches0, fresh0), (_, rungs1, _, switches1, _) = out
     assert rungs0 == rungs1 and switches0 == switches1
     # r=4 -> 8 -> 16, where no tensor of this small model is 2x smaller as rank-16 factors: sent whole, the
@@ -69,17 +69,18 @@ def test_above_the_limit_every_rank_escalates_alike_and_the_state_round_trips():
     assert [s["to"] for s in switches0] == ["powersgd-overlap:matrix_approximation_rank=8",
                                             "powersgd-overlap:matrix_approximation_rank=16"]
     assert [s["iteration"] for s in switches0] == [3, 7]
-    assert all(s["error"] > 0.01 for s in switches0) and stats0["switches"] == 2
+    assert all(s["ratio"] > 0.01 and s["ratio"] == pytest.approx(s["error"] / s["noise"]) for s in switches0)
+    assert stats0["switches"] == 2
     assert rungs0 == sorted(rungs0) and rungs0[-1] == 2.0
     assert fresh0["rung"] == stats0["rung"] and fresh0["switches"] == 2  # the rung and its history survive
 
 
 def test_bad_options():
     from gradsync.algorithms import build_hook
-    from gradsync.algorithms.ladder import DEFAULT_MAX_ERROR, rungs
+    from gradsync.algorithms.ladder import DEFAULT_MAX_ERROR_TO_NOISE, rungs
     from gradsync.profiler.quality_model import FITTED
 
-    assert DEFAULT_MAX_ERROR == FITTED.max_error
+    assert DEFAULT_MAX_ERROR_TO_NOISE == FITTED.limit
     assert rungs("powersgd-overlap:matrix_approximation_rank=8") == [
         "powersgd-overlap:matrix_approximation_rank=8", "powersgd-overlap:matrix_approximation_rank=16", "fp16",
         "allreduce"]

@@ -34,7 +34,7 @@ def _quality(rank, world):
 
     model, batches = _job(rank)
     before = [p.detach().clone() for p in model.parameters()]
-    errors = measure_quality(model, batches, F.cross_entropy, _optimizer, ENTRIES, bucket_cap_mb=0.005)
+    errors = measure_quality(model, batches, F.cross_entropy, _optimizer, ENTRIES, bucket_cap_mb=0.005).errors
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was probed
     timed = time_candidates(model, batches, F.cross_entropy, _optimizer, ["allreduce", "fp16"], bucket_cap_mb=0.005)
     casts = cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"])
@@ -140,6 +140,8 @@ def _sampled(rank, world):
 def test_a_sampled_reference_estimates_the_error_and_copies_precede_the_primary():
     (full, sampled), (full1, sampled1) = run_ranks(_sampled, 2, timeout=180)
     assert full == full1 and sampled == sampled1
+    assert abs(sampled.noise - full.noise) < 0.15 * full.noise
+    full, sampled = full.errors, sampled.errors
     for errors in (full, sampled):
         assert errors["allreduce"] < 1e-6
         # the metered hooks' copies are taken before the primary (allreduce) all-reduces the bucket in place
@@ -167,11 +169,10 @@ def test_optimizer_factory_rebuilds_the_jobs_optimizer_adamw_included():
     from gradsync.profiler.auto import optimizer_factory
 
     model = torch.nn.Linear(3, 2)
-    for opt, family in ((torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05), "adamw"),
-                        (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True), "sgd")):
-        got, make = optimizer_factory(opt)
-        copy = make(torch.nn.Linear(3, 2).parameters())
-        assert got == family and type(copy) is type(opt)
+    for opt in (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05),
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)):
+        copy = optimizer_factory(opt)(torch.nn.Linear(3, 2).parameters())
+        assert type(copy) is type(opt)
         keys = ("lr", "weight_decay")
         assert {k: copy.defaults[k] for k in keys} == {k: opt.defaults[k] for k in keys}
 
@@ -210,7 +211,40 @@ def _staged(rank, world):
     staged = QualityProbe(model, batches, F.cross_entropy, _optimizer, [r1, r4], 0.005)
     staged.measure([r2, "powersgd:matrix_approximation_rank=2"])
     together.close(), staged.close()
+    assert together.noise == staged.noise
     return together.errors, staged.errors
+
+
+def _noise(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    from gradsync.profiler.probe import QUALITY_STEPS, measure_quality
+
+    model, batches = _job(rank)
+    measured = measure_quality(model, batches, F.cross_entropy, _optimizer, ["fp16"], bucket_cap_mb=0.005,
+                               reference_fraction=1.0)
+    local = copy.deepcopy(model)
+    sums = torch.zeros(2, dtype=torch.float64)
+    for x, y in batches[:QUALITY_STEPS]:  # the probe's measured steps: the job's first batches, nothing trains
+        local.zero_grad()
+        F.cross_entropy(local(x), y).backward()
+        g = torch.cat([p.grad.flatten() for p in local.parameters()]).double()
+        d = g.clone()
+        dist.all_reduce(d)
+        d /= world
+        sums += torch.stack([(g - d).pow(2).sum(), d.pow(2).sum()])
+    dist.all_reduce(sums)
+    return measured.noise, float((sums[0] / sums[1]).sqrt())
+
+
+def test_the_gradient_noise_is_one_ranks_gradient_against_the_dense_average():
+    """The unit of the quality model: sqrt(mean over ranks of sum ||g_i - d||^2 / sum ||d||^2) over the
+    measured steps, computed here from each rank's own gradients and their all-reduced average."""
+    (noise, direct), (noise1, direct1) = run_ranks(_noise, 2, timeout=180)
+    assert noise == noise1 and direct == direct1
+    assert 0.05 < noise < 2 and abs(noise - direct) < 1e-6 * direct
 
 
 def test_an_entry_measured_later_has_the_error_it_has_measured_with_the_others():

@@ -6,9 +6,12 @@ The ``ladder`` hook runs one rung at a time, starting at ``start``: PowerSGD (ov
 at rank r, then 2r, ... up to 16, then the fp16 cast, then dense all-reduce; any other start goes to
 fp16, then dense. Every ``check_every`` iterations one step runs under a
 :class:`~gradsync.algorithms.meter.QualityMeter`: the buckets are also all-reduced densely, and the
-relative error of the rung's aggregate against the dense one is all-reduced at the next step's first
-bucket, so every rank takes the same decision. Above ``max_error`` the next rung takes over from that
-step on (its error-feedback residual starts at zero). This replaces a dense tail fixed in advance with
+relative error of the rung's aggregate against the dense one, with the gradient noise of the same step
+(each rank's own gradient against the dense average), is all-reduced at the next step's first bucket, so
+every rank takes the same decision. Where the error exceeds ``max_error_to_noise`` times the average's
+noise (:func:`~gradsync.algorithms.meter.error_to_noise`, the unit of the start-up quality model,
+:mod:`gradsync.profiler.quality_model`) the next rung takes over from that step on (its error-feedback
+residual starts at zero). This replaces a dense tail fixed in advance with
 one the job's own gradients call for: late in a schedule a rank-r approximation stops capturing the
 gradient.
 
@@ -27,12 +30,12 @@ import torch.distributed as dist
 from ..comm.collectives import collective_device
 from ..options import Options, option
 from .base import HookState
-from .meter import QualityMeter, metered_hook, relative_errors
+from .meter import LOCAL_GRADIENT, QualityMeter, error_to_noise, metered_hook, relative_errors
 from .spec import hook_algorithm
 
-#: The quality model's SGD limit (gradsync.profiler.quality_model.FITTED.max_error; the profiler sits above
-#: the algorithms, so the number is repeated here and a test keeps the two equal).
-DEFAULT_MAX_ERROR = 0.634
+#: The quality model's limit (gradsync.profiler.quality_model.FITTED.limit; the profiler sits above the
+#: algorithms, so the number is repeated here and a test keeps the two equal).
+DEFAULT_MAX_ERROR_TO_NOISE = 0.997
 
 
 @dataclass(frozen=True)
@@ -43,8 +46,9 @@ class LadderOptions(Options):
     start: str = option("powersgd-overlap/matrix_approximation_rank=4",
                         "the first rung, a --algorithms entry with / for : (a hook that works on DDP's buckets)")
     check_every: int = option(50, "iterations between quality checks", low=1, high=1_000_000, units="iterations")
-    max_error: float = option(DEFAULT_MAX_ERROR, "escalate when the measured relative error exceeds this",
-                              low=0.0, high=10.0, low_open=True)
+    max_error_to_noise: float = option(
+        DEFAULT_MAX_ERROR_TO_NOISE, "escalate when the measured relative error exceeds this many times the dense "
+        "average's gradient noise", low=0.0, high=100.0, low_open=True)
 
 
 def rungs(start: str) -> list[str]:
@@ -83,7 +87,7 @@ class LadderState(HookState):
     """State of :func:`ladder_hook`.
 
     Args:
-        start, check_every, max_error: see :class:`LadderOptions`.
+        start, check_every, max_error_to_noise: see :class:`LadderOptions`.
         model: the module DDP wraps (passed to each rung's builder).
         process_group: the group of every collective.
         seed: the rungs' seed.
@@ -92,19 +96,20 @@ class LadderState(HookState):
         ValueError: for a bad ``start`` (see :func:`rungs`).
     """
 
-    def __init__(self, start: str, check_every: int = 50, max_error: float = DEFAULT_MAX_ERROR, model: Any = None,
-                 process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
+    def __init__(self, start: str, check_every: int = 50, max_error_to_noise: float = DEFAULT_MAX_ERROR_TO_NOISE,
+                 model: Any = None, process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
         super().__init__(process_group)
         self.rungs = rungs(start)
-        self.check_every, self.max_error = check_every, max_error
+        self.check_every, self.max_error_to_noise = check_every, max_error_to_noise
         self.model, self.seed = model, seed
         self.index = 0
         self.switches: list[dict[str, Any]] = []
         self.retired: dict[str, float] = {}
         self.last_error: Optional[float] = None
+        self.last_noise: Optional[float] = None
         self._pending_check = False
         self._in_step = False
-        self.meter = QualityMeter([self._build(0)], primary=0, process_group=process_group)
+        self.meter = QualityMeter([self._build(0), LOCAL_GRADIENT], primary=0, process_group=process_group)
 
     def _build(self, index: int) -> tuple:
         from . import REGISTRY, BuildContext, make_options, parse_entry
@@ -120,13 +125,15 @@ class LadderState(HookState):
 
     def _decide(self) -> None:
         """All-reduce the last check's sums (from the hook body: the same collective on every rank) and
-        escalate above ``max_error``."""
+        escalate above ``max_error_to_noise`` times the average's gradient noise."""
         sums = self.meter.sums().to(collective_device(self.process_group))
         dist.all_reduce(sums, group=self.process_group)
         self.count_collective(sums)
-        self.last_error = relative_errors(sums / dist.get_world_size(self.process_group))[0]
+        world = dist.get_world_size(self.process_group)
+        self.last_error, self.last_noise = relative_errors(sums / world)
         self.meter.reset()
-        if self.last_error > self.max_error and self.index + 1 < len(self.rungs):
+        ratio = error_to_noise(self.last_error, self.last_noise, max(world, 2))
+        if ratio > self.max_error_to_noise and self.index + 1 < len(self.rungs):
             old = self.current
             inner = self.meter.hooks[0][0]
             for key, value in inner.stats().items():
@@ -134,18 +141,19 @@ class LadderState(HookState):
                     self.retired[key] = self.retired.get(key, 0) + value
             inner.close()
             self.index += 1
-            self.meter.hooks = [self._build(self.index)]
+            self.meter.hooks = [self._build(self.index), LOCAL_GRADIENT]
             self.switches.append({"iteration": self.iteration, "from": old, "to": self.current,
-                                  "error": self.last_error})
+                                  "error": self.last_error, "noise": self.last_noise, "ratio": ratio})
             if not dist.is_initialized() or dist.get_rank(self.process_group) == 0:
-                print(f"ladder: iteration {self.iteration}: relative error {self.last_error:.3f} > {self.max_error:g}: "
-                      f"{old} -> {self.current}", flush=True)
+                print(f"ladder: iteration {self.iteration}: relative error {self.last_error:.3f} = {ratio:.2f} x the "
+                      f"gradient noise > {self.max_error_to_noise:g}: {old} -> {self.current}", flush=True)
 
     # -- the protocol ------------------------------------------------------------------------------
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
         out = {"ladder_rung": float(self.index)}
         if self.last_error is not None:
             out["ladder_error"] = self.last_error
+            out["ladder_noise"] = self.last_noise
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -162,11 +170,11 @@ class LadderState(HookState):
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "ladder", "rungs": list(self.rungs), "check_every": self.check_every,
-                "max_error": self.max_error}
+                "max_error_to_noise": self.max_error_to_noise}
 
     def state_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "index": self.index, "switches": list(self.switches),
-                "retired": dict(self.retired), "last_error": self.last_error,
+                "retired": dict(self.retired), "last_error": self.last_error, "last_noise": self.last_noise,
                 "meter_dense_wire_bytes": self.meter.dense_wire_bytes, "pending_check": self._pending_check,
                 # a check measured in the last step is decided at the next step's first bucket: its sums
                 "meter_sums": self.meter.sums().cpu() if self._pending_check else None,
@@ -178,15 +186,15 @@ class LadderState(HookState):
         if index != self.index:
             self.meter.hooks[0][0].close()
             self.index = index
-            self.meter.hooks = [self._build(index)]
+            self.meter.hooks = [self._build(index), LOCAL_GRADIENT]
         self.switches = list(state["switches"])
         self.retired = dict(state["retired"])
-        self.last_error = state["last_error"]
+        self.last_error, self.last_noise = state["last_error"], state.get("last_noise")
         self.meter.dense_wire_bytes = float(state["meter_dense_wire_bytes"])
         self._pending_check = bool(state["pending_check"])
         self.meter.reset()
         sums = state.get("meter_sums")
-        if self._pending_check and sums is not None:
+        if self._pending_check and sums is not None and len(sums) == len(self.meter.hooks):
             self.meter.error_sq = [row[0].clone() for row in sums]
             self.meter.reference_sq = [row[1].clone() for row in sums]
         self.meter.hooks[0][0].load_state_dict(state["inner"])
@@ -215,9 +223,9 @@ def ladder_hook(state: LadderState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 SPEC = hook_algorithm(
     "ladder", "a compressed setting that escalates (PowerSGD rank x2, fp16, dense) when its error against dense, "
-    "measured every N steps, exceeds a limit (GraVAC's controller, Tyagi & Sharma 2023, arXiv 2305.12201)",
+    "measured every N steps, exceeds a limit in units of the gradient noise (GraVAC's controller, Tyagi & Sharma 2023, arXiv 2305.12201)",
     LadderOptions,
-    lambda opts, ctx: (LadderState(opts.start, opts.check_every, opts.max_error, model=ctx.model,
+    lambda opts, ctx: (LadderState(opts.start, opts.check_every, opts.max_error_to_noise, model=ctx.model,
                                    process_group=ctx.process_group, seed=ctx.seed), ladder_hook))
 
 #: the algorithms this module registers

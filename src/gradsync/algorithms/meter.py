@@ -7,7 +7,8 @@ relative error: GraVAC's compression gain seen from the other side (Tyagi & Shar
 2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated
 result the optimizer receives). The dense reference may be a random sample of each gradient tensor's
 elements (``sample_fraction``): the sums over the sample estimate the full sums' ratio at that
-fraction of the reference's bytes. Used by the start-up probe (:mod:`gradsync.profiler.probe`) and by the
+fraction of the reference's bytes. Metered as a hook, :func:`local_gradient_hook` (the rank's own
+gradient, nothing sent) gives the gradient noise, the unit :func:`error_to_noise` measures errors in. Used by the start-up probe (:mod:`gradsync.profiler.probe`) and by the
 ``ladder`` algorithm's controller (:mod:`gradsync.algorithms.ladder`).
 """
 
@@ -21,9 +22,11 @@ import torch.distributed as dist
 
 from ..comm.buckets import gradient_offsets
 from ..comm.collectives import collective_device
-from ..validation import check_float
+from ..comm.futures import completed
+from ..validation import check_float, check_int
 
-__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors"]
+__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "local_gradient_hook", "LOCAL_GRADIENT",
+           "error_to_noise"]
 
 
 class ProxyBucket:
@@ -141,6 +144,34 @@ def relative_errors(sums: torch.Tensor) -> list[float]:
     """``sqrt(error_sq / reference_sq)`` of each row of :meth:`QualityMeter.sums` (0 where both are 0:
     nothing measured, or an all-zero gradient)."""
     return [(e / r) ** 0.5 if r > 0 else 0.0 for e, r in sums.cpu().tolist()]
+
+
+def local_gradient_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A hook that sends nothing: the rank's own gradient. Metered beside the dense reference, its
+    relative error is the gradient noise ``sqrt(mean_i sum ||g_i - d||^2 / sum ||d||^2)``."""
+    return completed(bucket.buffer())
+
+
+#: ``(state, hook)`` of :func:`local_gradient_hook` for :class:`QualityMeter`.
+LOCAL_GRADIENT = (None, local_gradient_hook)
+
+
+def error_to_noise(error: float, noise: float, world_size: int) -> float:
+    """``r = error * sqrt(world_size - 1) / noise``: a relative error in units of the dense average's own
+    relative sampling noise. With ``P`` ranks drawing independent batches one rank's gradient lies
+    ``E||g_i - d||^2 = (P - 1) / P * s^2`` from the average ``d``, which lies ``s^2 / P`` from the full
+    gradient, so ``noise / sqrt(P - 1)`` is the average's noise (:mod:`gradsync.profiler.quality_model`).
+    0 for a zero error, ``math.inf`` for a positive error on noiseless gradients.
+
+    Raises:
+        ValueError: for a negative or non-finite ``error`` or ``noise``, or ``world_size`` < 2.
+    """
+    error = check_float("error", error, 0.0, math.inf)
+    noise = check_float("noise", noise, 0.0, math.inf)
+    world_size = check_int("world_size", world_size, 2)
+    if error == 0:
+        return 0.0
+    return math.inf if noise == 0 else error * math.sqrt(world_size - 1) / noise
 
 
 def _value(fut: torch.futures.Future) -> torch.Tensor:

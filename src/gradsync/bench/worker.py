@@ -144,10 +144,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     if AUTO in cfg.algorithms:  # the choice from this run's profile, network and gradients (every rank the same)
         # what --algorithm auto does in a job (its own profile, dense all-reduce and probe), so that
         # probe_seconds is what measuring costs a job on this network
-        decision = resolve_auto(model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer, workload.optimizer,
+        decision = resolve_auto(model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer,
                                 cfg.workload, cfg.batch_size, cfg.bucket_cap_mb, seed=cfg.seed)
         chosen[AUTO] = {"entry": decision.entry, "reason": decision.advice.reason,
-                        "errors": decision.errors, "iterations_s": decision.iterations,
+                        "errors": decision.errors, "noise": decision.noise, "iterations_s": decision.iterations,
                         "probe_seconds": decision.probe_seconds, "probe_phases_s": decision.phases}
         if rank == 0:
             print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took {decision.probe_seconds:.1f} s: "

@@ -16,8 +16,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--latency-us", type=float, default=0.0, help="per-message latency alpha (microseconds)")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="multiply the measured (CPU) compute times, e.g. 0.02 for GPUs 50x faster than this CPU")
-    p.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
-                   help="the job's optimizer family (the quality model's error limit)")
     p.add_argument("--quality-ranks", type=int, default=2,
                    help="loopback ranks that measure each lossy setting's error on this model's gradients "
                         "(0: measure nothing; lossy settings are then 'not measured')")
@@ -48,17 +46,18 @@ def _doctor(args: argparse.Namespace) -> int:
     if quality_ranks == 1:
         raise ValueError("--quality-ranks must be 0 (measure nothing) or an integer >= 2; got 1")
     prof = _measure_profile(args).scale_compute(scale)
-    simulated = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6,
-                       optimizer=args.optimizer)
-    errors, spent = {}, None
+    simulated = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
+    errors, noise, spent = {}, None, None
     if quality_ranks:
         worth = worth_measuring(simulated)
         t0 = time.perf_counter()
-        errors = measure_quality_on_loopback(args.model, args.batch_size, worth, quality_ranks,
-                                             prof.meta["bucket_cap_mb"], args.data_dir) if worth else {}
+        if worth:
+            quality = measure_quality_on_loopback(args.model, args.batch_size, worth, quality_ranks,
+                                                  prof.meta["bucket_cap_mb"], args.data_dir)
+            errors, noise = quality.errors, quality.noise
         spent = time.perf_counter() - t0
     advice = advise(prof, args.world_size, args.bandwidth, errors=errors, latency_s=args.latency_us * 1e-6,
-                    optimizer=args.optimizer, probe_seconds=spent)
+                    noise=noise, probe_seconds=spent)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
@@ -90,7 +89,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
                "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
-               "errors": errors, "quality_ranks": quality_ranks, "command": command,
+               "errors": errors, "noise": noise, "quality_ranks": quality_ranks, "command": command,
                "periodic": [dataclasses.asdict(r) for r in periodic]}
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)

@@ -86,7 +86,7 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
             arguments but its own batches), these keyword arguments instead:
 
             * ``optimizer``: the loop's optimizer (as ``prepare`` returned it); copies of its class
-              with its constructor defaults train the probes (Adam/AdamW: the Adam family).
+              with its constructor defaults train the probes.
             * ``batches``: this rank's first training batches, ``(inputs, targets)`` tensors on the
               model's device, different on every rank as in training; 8 are measured
               (:data:`gradsync.profiler.probe.QUALITY_STEPS`; fewer are cycled). The batch-size label is

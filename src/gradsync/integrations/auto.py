@@ -184,12 +184,12 @@ def choose_auto(model: torch.nn.Module, batches: Sequence[tuple[Any, Any]], loss
     batches = list(batches)
     if not batches:
         raise ValueError("algorithm 'auto' needs at least one training batch of this rank to measure on")
-    family, make_optimizer = optimizer_factory(optimizer)
+    make_optimizer = optimizer_factory(optimizer)
     if batch_size is None:
         batch_size = int(batches[0][0].shape[0]) if getattr(batches[0][0], "shape", ()) else 1
     device = next((p.device for p in model.parameters()), None)
     with preserved_rng(device):
-        decision = resolve_auto(model, batches, loss_fn, make_optimizer, family, workload, batch_size, bucket_cap_mb,
+        decision = resolve_auto(model, batches, loss_fn, make_optimizer, workload, batch_size, bucket_cap_mb,
                                 allowed=lambda e: is_hook(e, any_buckets=True), group=process_group, seed=seed)
     return AutoChoice(decision.entry, decision)
 

@@ -103,9 +103,10 @@ NOT_PROBED = ("covap", "topk")
 class AutoDecision:
     """What :func:`decide` measured and chose: the chosen ``entry``, the :class:`Advice`, the
     ``errors`` (``{entry: relative error}``) and ``iterations`` (``{entry: seconds}``) measured,
-    ``probe_seconds``, the wall-clock cost of those measurements on this rank, and ``phases``, that
+    ``probe_seconds``, the wall-clock cost of those measurements on this rank, ``phases``, that
     cost by step of the module docstring (seconds: ``profile``, ``ccr``, ``quality``, ``timing``; a
-    step not taken is absent)."""
+    step not taken is absent), and the gradient ``noise`` the errors were judged against (None where
+    no lossy setting was metered)."""
 
     entry: str
     advice: Advice
@@ -113,11 +114,12 @@ class AutoDecision:
     iterations: dict
     probe_seconds: float
     phases: dict = dataclasses.field(default_factory=dict)
+    noise: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures for metrics.json."""
         return {"auto_choice": self.entry, "auto_reason": self.advice.reason, "auto_ccr": self.advice.ccr,
-                "auto_errors": self.errors, "auto_iterations_s": self.iterations,
+                "auto_errors": self.errors, "auto_noise": self.noise, "auto_iterations_s": self.iterations,
                 "auto_probe_seconds": self.probe_seconds, "auto_probe_phases_s": self.phases}
 
     def describe_phases(self) -> str:
@@ -125,8 +127,8 @@ class AutoDecision:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
 
 
-def _next_stage(pending: Sequence[str], errors: dict, simulated: Advice, prof: Profile, world: int, bandwidth: float,
-                allowed: Callable[[str], bool], optimizer: str, shortlist: int) -> list[str]:
+def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, simulated: Advice, prof: Profile,
+                world: int, bandwidth: float, allowed: Callable[[str], bool], shortlist: int) -> list[str]:
     """The ``pending`` entries to measure next: those that could still enter the short-list, but the
     costliest of them, which waits for the others' errors. An entry's predicted time to quality is at
     least its simulated iteration (no extra steps), so one at or above the ``shortlist``-th best
@@ -136,7 +138,7 @@ def _next_stage(pending: Sequence[str], errors: dict, simulated: Advice, prof: P
     candidates' bytes (the GRU at 5 Mbit/s: r=1..16 send 31 units of r=1's per step, r=16 16 of them)."""
     if not pending:
         return []
-    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
+    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise).predictions
     known = sorted(r.time_to_quality_s for r in ranked
                    if r.entry != "allreduce" and r.measured and is_hook(r.entry) and r.time_to_quality_s is not None)
     bound = known[shortlist - 1] if len(known) >= shortlist else math.inf
@@ -152,7 +154,7 @@ def _next_stage(pending: Sequence[str], errors: dict, simulated: Advice, prof: P
 
 def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
            batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, make_optimizer: Callable,
-           optimizer: str, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
+           bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
            group: Any = None, seed: int = 0, shortlist: int = SHORTLIST) -> AutoDecision:
     """Collective: steps 2-4 of the module docstring, given the agreed profile ``prof`` and dense
     all-reduce time ``allreduce_s`` (seconds; :func:`agreed_profile`).
@@ -160,7 +162,6 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     Args:
         model: the job's model (copied by the probes, not changed).
         batches: this rank's probe batches (:func:`probe_batches`).
-        optimizer: the optimizer family (``"sgd"``, ``"adamw"``).
         allowed: which ``--algorithms`` entries may be chosen.
         shortlist: candidates timed on the network besides DDP (>= 1).
 
@@ -171,8 +172,9 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     world = dist.get_world_size(group)
     t0 = time.perf_counter()
     bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
-    simulated = advise(prof, world, bandwidth, allowed=allowed, optimizer=optimizer)
+    simulated = advise(prof, world, bandwidth, allowed=allowed)
     errors: dict[str, float] = {}
+    noise: float | None = None
     iterations: dict[str, float] = {}
     phases: dict[str, float] = {}
     if simulated.ccr >= LOW_CCR:
@@ -182,14 +184,15 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
         probe = None
-        while stage := _next_stage([e for e in metered if e not in errors], errors, simulated, prof, world,
-                                   bandwidth, allowed, optimizer, shortlist):
+        while stage := _next_stage([e for e in metered if e not in errors], errors, noise, simulated, prof, world,
+                                   bandwidth, allowed, shortlist):
             if probe is None:
                 probe = QualityProbe(model, batches, loss_fn, make_optimizer, stage, bucket_cap_mb,
                                      process_group=group, seed=seed)
             errors.update(probe.measure(stage))
+            noise = probe.noise
         phases["quality"] = time.perf_counter() - t0
-        ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer).predictions
+        ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise).predictions
         short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)
                  and math.isfinite(r.time_to_quality_s)][:shortlist]
         ddp = next(r for r in ranked if r.entry == "allreduce")
@@ -206,17 +209,17 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
             probe.close()
     spent = time.perf_counter() - t0
     if iterations:
-        advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, optimizer=optimizer,
+        advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, noise=noise,
                         allowed=lambda e: e in iterations or e == "allreduce", probe_seconds=spent)
     else:
-        advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, optimizer=optimizer,
+        advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise,
                         probe_seconds=spent)
-    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases)
+    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 make_optimizer: Callable[[Any], torch.optim.Optimizer], optimizer: str, workload: str,
+                 make_optimizer: Callable[[Any], torch.optim.Optimizer], workload: str,
                  batch_size: int, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
                  group: Any = None, seed: int = 0) -> AutoDecision:
     """Collective (every rank, same arguments but its own batches): measure and choose (the module
@@ -226,7 +229,6 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
         model: the model to train (copies are profiled and probed; ``model`` is not changed).
         batches: this rank's probe batches (:func:`probe_batches`; at least one).
         loss_fn, make_optimizer: as in training.
-        optimizer: the optimizer family, ``"sgd"`` or ``"adamw"``.
         workload, batch_size, bucket_cap_mb: the profile's labels and DDP's bucket size (MB).
         allowed: which ``--algorithms`` entries may be chosen.
         seed: the job's seed (PowerSGD's initial factors in the probes).
@@ -251,17 +253,17 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group, budget_s=CCR_BUDGET_S)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
     t2 = time.perf_counter()
-    decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, optimizer, bucket_cap_mb,
+    decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, bucket_cap_mb,
                       allowed=allowed, group=group, seed=seed)
     phases = {"profile": t1 - t0, "ccr": t2 - t1, **decision.phases}
     return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0, phases=phases)
 
 
-def optimizer_factory(optimizer: Any) -> tuple[str, Callable[[Any], torch.optim.Optimizer]]:
-    """``(family, make_optimizer)`` of a job's optimizer for :func:`resolve_auto`: framework wrappers
+def optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
+    """``make_optimizer`` of a job's optimizer for :func:`resolve_auto`: framework wrappers
     (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``) are unwrapped;
     ``make_optimizer(params)`` builds the same class with its ``defaults`` (those its constructor
-    takes); the family is ``"adamw"`` for Adam/AdamW (the quality model's stricter limit), else ``"sgd"``.
+    takes).
 
     Raises:
         ValueError: if ``optimizer`` is no ``torch.optim.Optimizer`` (nor wraps one).
@@ -275,7 +277,6 @@ def optimizer_factory(optimizer: Any) -> tuple[str, Callable[[Any], torch.optim.
         optimizer = inner
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"algorithm 'auto' needs the job's torch.optim.Optimizer; got {type(optimizer).__name__}")
-    family = "adamw" if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else "sgd"
     cls, defaults = type(optimizer), dict(optimizer.defaults)
     accepted = inspect.signature(cls.__init__).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
@@ -285,7 +286,7 @@ def optimizer_factory(optimizer: Any) -> tuple[str, Callable[[Any], torch.optim.
     def make_optimizer(params: Any) -> torch.optim.Optimizer:
         return cls(params, **defaults)
 
-    return family, make_optimizer
+    return make_optimizer
 
 
 def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -301,8 +302,7 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
     Args:
         ddp: a ``DistributedDataParallel`` without a communication hook (its process group and bucket
             size are used).
-        optimizer: the job's optimizer; copies (same class and defaults) train the probes. Adam and
-            AdamW count as the Adam family (the quality model's stricter limit), anything else as SGD.
+        optimizer: the job's optimizer; copies (same class and defaults) train the probes.
         batches: this rank's ``(inputs, targets)`` batches on the model's device, different on every
             rank as in training (8 are measured: :data:`~gradsync.profiler.probe.QUALITY_STEPS`).
         loss_fn: ``loss_fn(ddp(inputs), targets) -> 0-d tensor``.
@@ -322,9 +322,9 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
 
     if not isinstance(ddp, DistributedDataParallel):
         raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
-    family, make_optimizer = optimizer_factory(optimizer)
+    make_optimizer = optimizer_factory(optimizer)
     bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
-    decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, family, "script",
+    decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, "script",
                             int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb,
                             allowed=lambda e: is_hook(e, any_buckets=True), group=ddp.process_group)
     name, options = parse_entry(decision.entry)

@@ -11,7 +11,9 @@ numbers on every rank (all-reduced statistics), so every rank takes the same dec
   bucket is GraVAC's compression gain seen from the other side (Tyagi & Sharma 2023, arXiv
   2305.12201, §3.2: the gain is ``||C(g)||^2 / ||g||^2``; here the error of the error-fed, aggregated
   result, which is what the optimizer receives). An entry's error does not depend on which entries
-  are measured with it, so auto measures the costly ones only where they could be chosen;
+  are measured with it, so auto measures the costly ones only where they could be chosen. The same
+  steps give the job's gradient noise: how far one rank's own gradient lies from the dense average
+  (the unit :mod:`gradsync.profiler.quality_model` measures errors in);
 * :func:`cast_errors`: the 16-bit casts' error from one backward, without communication;
 * :func:`time_candidates`: the candidates in turn on one DDP copy per bucket layout (the quality
   probe's copy where it can serve); the median step (a device-synchronising clock), MAX over the
@@ -37,17 +39,33 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.agreement import replicas_agree
 from ..comm.collectives import collective_device
-from ..comm.futures import completed
 from ..validation import check_int
-from ..algorithms.meter import ProxyBucket, QualityMeter, metered_hook, relative_errors  # noqa: F401
+from ..algorithms.meter import (LOCAL_GRADIENT, ProxyBucket, QualityMeter, metered_hook,  # noqa: F401
+                                relative_errors)
 from .advise import single_bucket
 from .compute import device_clock
 
-__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "QualityProbe",
+__all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "MeasuredQuality",
+           "QualityProbe",
            "measure_quality", "quality_proxy", "time_candidates", "cast_errors", "probe_batches",
            "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MeasuredQuality:
+    """What :func:`measure_quality` measured, identical on every rank.
+
+    Attributes:
+        errors: ``{entry: relative error}`` (dimensionless, 0 for an exact setting).
+        noise: the gradient noise ``sqrt(mean_i sum ||g_i - d||^2 / sum ||d||^2)`` of rank ``i``'s own
+            gradient ``g_i`` against the dense average ``d`` over the same steps and elements
+            (dimensionless; :func:`gradsync.profiler.quality_model.error_to_noise`).
+    """
+
+    errors: dict
+    noise: float
 
 
 @dataclass(frozen=True)
@@ -121,7 +139,7 @@ QUALITY_STEPS = 8
 
 #: Start-up steps of every probe copy: DDP puts every gradient in one bucket in its first iteration and
 #: rebuilds its buckets after it. The copy runs them as forward and backward passes only, with a hook that
-#: sends nothing and no optimizer step (:func:`_rebuild_only_hook`), and every entry compresses from its
+#: sends nothing and no optimizer step (:func:`~gradsync.algorithms.meter.local_gradient_hook`), and every entry compresses from its
 #: first step (``skip_start``: PowerSGD's dense start iterations exist only for the rebuild). Before, 2
 #: steps trained the copy with the fp16 cast: half a dense all-reduce each (1.2 s of the GRU's probe at
 #: 5 Mbit/s per copy).
@@ -133,13 +151,9 @@ START_STEPS = 1
 REFERENCE_FRACTION = 1 / 16
 
 
-def _rebuild_only_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The hook DDP receives its result from while nothing trains (the start step, the measured
-    steps): the rank's own gradient, nothing sent."""
-    return completed(bucket.buffer())
-
-
-_LOCAL = (None, _rebuild_only_hook)
+#: The hook DDP receives its result from while nothing trains (the start step, the measured steps): the
+#: rank's own gradient, nothing sent; metered, it gives the gradient noise.
+_LOCAL = LOCAL_GRADIENT
 
 
 class _ProbeCopy:
@@ -165,6 +179,7 @@ class _ProbeCopy:
         self.ddp.register_comm_hook(self.meter, metered_hook)
         self.opt = make_optimizer(self.ddp.parameters())
         self.step = 0
+        self.noise: Optional[float] = None
         self._backward(range(START_STEPS))
         self.meter.hooks = []
         self.add(entries)
@@ -212,10 +227,12 @@ class _ProbeCopy:
                 self._backward(range(steps))
         finally:
             self.meter.on = False
-            sums = self.meter.sums()[1:]
+            sums = self.meter.sums()
             self.meter.hooks, self.meter.primary = hooks, primary
         dist.all_reduce(sums, group=self.process_group)
-        return dict(zip(entries, relative_errors(sums / dist.get_world_size(self.process_group))))
+        noise, *errors = relative_errors(sums / dist.get_world_size(self.process_group))
+        self.noise = noise
+        return dict(zip(entries, errors))
 
     def time(self, entries: Sequence[str], steps: int) -> dict[str, CandidateProbe]:
         """Collective: ``steps`` timed steps of each entry, taken in turn (entry 1, entry 2, ..., entry
@@ -251,6 +268,8 @@ class QualityProbe(_ProbeCopy):
     Attributes:
         errors: ``{entry: relative error}`` of the measured entries (the quality proxies of the
             entries given: :func:`quality_proxy`), identical on every rank.
+        noise: the gradient noise over the same steps (:class:`MeasuredQuality`), identical on every
+            rank; the same at every :meth:`measure`.
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
@@ -275,7 +294,7 @@ class QualityProbe(_ProbeCopy):
 def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                     bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
-                    steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION) -> dict[str, float]:
+                    steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION) -> MeasuredQuality:
     """Collective: the relative error of every entry's aggregate against dense all-reduce on this
     job's gradients (:class:`QualityProbe`): all entries at once on one copy of ``model`` that does
     not train (``model``'s parameters, its first ``steps`` batches); per step each entry's own collectives plus a dense all-reduce of
@@ -290,7 +309,7 @@ def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
         steps: measured steps (>= 1).
 
     Returns:
-        ``{entry: relative error}`` (dimensionless, 0 for an exact setting), identical on every rank.
+        :class:`MeasuredQuality`: every entry's relative error and the gradient noise.
 
     Raises:
         ValueError: for an empty ``batches``, ``steps`` < 1, ``reference_fraction`` outside (0, 1]
@@ -300,7 +319,7 @@ def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
                          process_group=process_group, seed=seed, steps_per_epoch=steps_per_epoch,
                          reference_fraction=reference_fraction)
     probe.close()
-    return {e: probe.errors[quality_proxy(e)] for e in entries}
+    return MeasuredQuality({e: probe.errors[quality_proxy(e)] for e in entries}, probe.noise)
 
 
 def quality_proxy(entry: str) -> str:
@@ -426,7 +445,8 @@ def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_d
 
 
 def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size: int, entries: list,
-                   bucket_cap_mb: Optional[float], data_dir: Any, seed: int, reference_fraction: float) -> dict:
+                   bucket_cap_mb: Optional[float], data_dir: Any, seed: int,
+                   reference_fraction: float) -> MeasuredQuality:
     import datetime
 
     from ..comm.buckets import resolve_bucket_cap_mb
@@ -445,7 +465,7 @@ def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size
 
 def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Sequence[str], world_size: int,
                                 bucket_cap_mb: Optional[float] = None, data_dir: Any = None, seed: int = 0,
-                                reference_fraction: float = REFERENCE_FRACTION) -> dict[str, float]:
+                                reference_fraction: float = REFERENCE_FRACTION) -> MeasuredQuality:
     """:func:`measure_quality` of ``entries`` on ``world_size`` forked Gloo ranks on 127.0.0.1 (the
     error does not depend on the network), for a model spec of
     :func:`~gradsync.profiler.profile.model_for_profile`, each rank on its own batches: a training

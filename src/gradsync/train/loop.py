@@ -52,7 +52,7 @@ def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tenso
     probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
                           augment=lambda t: workload.augment(t.to(device)))
     probe = [(x, y.to(device)) for x, y in probe]
-    decision = resolve_auto(model, probe, loss_fn, make_optimizer, workload.optimizer, cfg.workload,
+    decision = resolve_auto(model, probe, loss_fn, make_optimizer, cfg.workload,
                             cfg.batch_size, bucket_cap_mb, seed=cfg.seed)
     if rank == 0:
         print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took "
