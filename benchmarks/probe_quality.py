@@ -7,6 +7,10 @@ the inputs of
 ``benchmarks/fit_quality_model.py``.
 
     python benchmarks/probe_quality.py [--seeds 0,1,2] [--out benchmarks/data/probe_errors.json]
+    python benchmarks/probe_quality.py --held-out --seeds 0,1 --out benchmarks/data/probe_errors_held_out.json
+
+``--held-out`` measures PowerSGD r=4/8/16 on auto's out-of-sample workloads instead (the ViT and the GRU at 2
+and 4 ranks), which the fit never reads: what the frozen model predicts for them.
 
 Loopback Gloo ranks (quality does not depend on the network); about 5 minutes on 2 cores.
 """
@@ -20,6 +24,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
+#: auto's out-of-sample workloads: never in a fit
+HELD_OUT = ("fashion-mnist:vit-tiny", "fashion-mnist:gru")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,14 +33,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--costs", default=str(HERE / "data" / "accuracy_costs.json"))
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=str(HERE / "data" / "probe_errors.json"))
+    p.add_argument("--held-out", action="store_true", help="the out-of-sample workloads, not the fitted rows")
     args = p.parse_args(argv)
     from gradsync.bench.accuracy_costs import provenance
     from gradsync.profiler.probe import QUALITY_STEPS, measure_quality_on_loopback, quality_proxy
     from gradsync.workloads import get_workload
 
-    rows = json.load(open(args.costs))["rows"]
     jobs: dict[tuple[str, int], list[str]] = {}
-    for r in rows:
+    if args.held_out:
+        ranks = [f"powersgd-overlap:matrix_approximation_rank={r}" for r in (4, 8, 16)]
+        jobs = {(model, world): ranks for model in HELD_OUT for world in (2, 4)}
+    for r in [] if args.held_out else json.load(open(args.costs))["rows"]:
         jobs.setdefault((r["model"], r["world_size"]), [])
         if r["entry"] not in jobs[(r["model"], r["world_size"])]:
             jobs[(r["model"], r["world_size"])].append(r["entry"])
