@@ -45,7 +45,9 @@ def _train(rank, world, name, options):
     fresh, _ = build_hook(name, model=model, **options)
     fresh.load_state_dict(saved)
     return ([p.detach().clone() for p in model.parameters()], rungs, state.stats(),
-            getattr(state, "switches", None), fresh.stats() if name == "ladder" else None)
+            getattr(state, "switches", None),
+            {**fresh.stats(), "sampled": (state.meter.sampled_buckets, fresh.meter.sampled_buckets),
+             "config": state.config()} if name == "ladder" else None)
 
 
 def test_without_a_switch_the_ladder_trains_as_its_first_rung():
@@ -73,6 +75,10 @@ def test_above_the_limit_every_rank_escalates_alike_and_the_state_round_trips():
     assert stats0["switches"] == 2
     assert rungs0 == sorted(rungs0) and rungs0[-1] == 2.0
     assert fresh0["rung"] == stats0["rung"] and fresh0["switches"] == 2  # the rung and its history survive
+    # the checks compare a sixteenth of the elements; the sample's position survives too (a resumed run compares
+    # the same elements as an uninterrupted one)
+    assert fresh0["config"]["reference_fraction"] == 1 / 16 and fresh0["sampled"][0] > 0
+    assert fresh0["sampled"][0] == fresh0["sampled"][1]
 
 
 def test_bad_options():

@@ -6,7 +6,8 @@ The ``ladder`` hook runs one rung at a time, starting at ``start``: PowerSGD (ov
 at rank r, then 2r, ... up to 16, then the fp16 cast, then dense all-reduce; any other start goes to
 fp16, then dense. Every ``check_every`` iterations one step runs under a
 :class:`~gradsync.algorithms.meter.QualityMeter`: the buckets are also all-reduced densely, and the
-relative error of the rung's aggregate against the dense one, with the gradient noise of the same step
+relative error of the rung's aggregate against the dense one (on ``reference_fraction`` of each gradient
+tensor's elements, the same on every rank), with the gradient noise of the same step
 (each rank's own gradient against the dense average), is all-reduced at the next step's first bucket, so
 every rank takes the same decision. Where the error exceeds ``max_error_to_noise`` times the average's
 noise (:func:`~gradsync.algorithms.meter.error_to_noise`, the unit of the start-up quality model,
@@ -49,6 +50,9 @@ class LadderOptions(Options):
     max_error_to_noise: float = option(
         DEFAULT_MAX_ERROR_TO_NOISE, "escalate when the measured relative error exceeds this many times the dense "
         "average's gradient noise", low=0.0, high=100.0, low_open=True)
+    reference_fraction: float = option(
+        1 / 16, "share of each gradient tensor's elements a check all-reduces densely and compares (the start-up "
+        "probe's)", low=0.0, high=1.0, low_open=True)
 
 
 def rungs(start: str) -> list[str]:
@@ -87,7 +91,7 @@ class LadderState(HookState):
     """State of :func:`ladder_hook`.
 
     Args:
-        start, check_every, max_error_to_noise: see :class:`LadderOptions`.
+        start, check_every, max_error_to_noise, reference_fraction: see :class:`LadderOptions`.
         model: the module DDP wraps (passed to each rung's builder).
         process_group: the group of every collective.
         seed: the rungs' seed.
@@ -97,7 +101,8 @@ class LadderState(HookState):
     """
 
     def __init__(self, start: str, check_every: int = 50, max_error_to_noise: float = DEFAULT_MAX_ERROR_TO_NOISE,
-                 model: Any = None, process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
+                 reference_fraction: float = 1 / 16, model: Any = None,
+                 process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
         super().__init__(process_group)
         self.rungs = rungs(start)
         self.check_every, self.max_error_to_noise = check_every, max_error_to_noise
@@ -109,7 +114,8 @@ class LadderState(HookState):
         self.last_noise: Optional[float] = None
         self._pending_check = False
         self._in_step = False
-        self.meter = QualityMeter([self._build(0), LOCAL_GRADIENT], primary=0, process_group=process_group)
+        self.meter = QualityMeter([self._build(0), LOCAL_GRADIENT], primary=0, process_group=process_group,
+                                  sample_fraction=reference_fraction, seed=seed)
 
     def _build(self, index: int) -> tuple:
         from . import REGISTRY, BuildContext, make_options, parse_entry
@@ -170,12 +176,13 @@ class LadderState(HookState):
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "ladder", "rungs": list(self.rungs), "check_every": self.check_every,
-                "max_error_to_noise": self.max_error_to_noise}
+                "max_error_to_noise": self.max_error_to_noise, "reference_fraction": self.meter.sample_fraction}
 
     def state_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "index": self.index, "switches": list(self.switches),
                 "retired": dict(self.retired), "last_error": self.last_error, "last_noise": self.last_noise,
                 "meter_dense_wire_bytes": self.meter.dense_wire_bytes, "pending_check": self._pending_check,
+                "meter_sampled_buckets": self.meter.sampled_buckets,
                 # a check measured in the last step is decided at the next step's first bucket: its sums
                 "meter_sums": self.meter.sums().cpu() if self._pending_check else None,
                 "inner": self.meter.hooks[0][0].state_dict()}
@@ -191,6 +198,7 @@ class LadderState(HookState):
         self.retired = dict(state["retired"])
         self.last_error, self.last_noise = state["last_error"], state.get("last_noise")
         self.meter.dense_wire_bytes = float(state["meter_dense_wire_bytes"])
+        self.meter.sampled_buckets = int(state.get("meter_sampled_buckets", 0))
         self._pending_check = bool(state["pending_check"])
         self.meter.reset()
         sums = state.get("meter_sums")
@@ -223,10 +231,11 @@ def ladder_hook(state: LadderState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 SPEC = hook_algorithm(
     "ladder", "a compressed setting that escalates (PowerSGD rank x2, fp16, dense) when its error against dense, "
-    "measured every N steps, exceeds a limit in units of the gradient noise (GraVAC's controller, Tyagi & Sharma 2023, arXiv 2305.12201)",
+    "measured every N steps, exceeds a limit in units of the gradient noise (GraVAC's controller, Tyagi & Sharma "
+    "2023, arXiv 2305.12201)",
     LadderOptions,
-    lambda opts, ctx: (LadderState(opts.start, opts.check_every, opts.max_error_to_noise, model=ctx.model,
-                                   process_group=ctx.process_group, seed=ctx.seed), ladder_hook))
+    lambda opts, ctx: (LadderState(opts.start, opts.check_every, opts.max_error_to_noise, opts.reference_fraction,
+                                   model=ctx.model, process_group=ctx.process_group, seed=ctx.seed), ladder_hook))
 
 #: the algorithms this module registers
 SPECS = (SPEC,)

@@ -85,6 +85,8 @@ class QualityMeter:
         error_sq, reference_sq: per hook, float64 0-d tensors: ``sum ||c - d||^2`` and ``sum ||d||^2``
             over the buckets measured since :meth:`reset`.
         dense_wire_bytes: wire bytes of the meter's own dense all-reduces (ring, ``2(P-1)/P x n``).
+        sampled_buckets: buckets sampled so far (the position in the sample's sequence; a checkpoint
+            keeps it so a resumed run compares the same elements).
     """
 
     def __init__(self, hooks: Sequence[tuple[Any, Callable]], primary: Optional[int] = None,
@@ -98,7 +100,7 @@ class QualityMeter:
         self.seed = seed
         self.on = False
         self.dense_wire_bytes = 0.0
-        self._sampled_buckets = 0
+        self.sampled_buckets = 0
         self.reset()
 
     def sample(self, bucket: Any) -> Optional[torch.Tensor]:
@@ -106,8 +108,8 @@ class QualityMeter:
         buffer's device), None for every element; advances the sample's generator."""
         if self.sample_fraction >= 1:
             return None
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self._sampled_buckets)
-        self._sampled_buckets += 1
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.sampled_buckets)
+        self.sampled_buckets += 1
         parts = []
         for offset, grad in gradient_offsets(bucket):  # drawn on the CPU generator: alike on every device
             n = grad.numel()
@@ -118,7 +120,7 @@ class QualityMeter:
     def restart_sample(self) -> None:
         """Draw the reference's positions from the start of their sequence again: a second measurement
         of the same gradients compares the same elements."""
-        self._sampled_buckets = 0
+        self.sampled_buckets = 0
 
     def reset(self) -> None:
         """Forget the sums."""
