@@ -22,6 +22,7 @@ meter's dense all-reduces), and kept in :meth:`LadderState.state_dict`.
 """
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -138,6 +139,8 @@ class LadderState(HookState):
         world = dist.get_world_size(self.process_group)
         self.last_error, self.last_noise = relative_errors(sums / world)
         self.meter.reset()
+        if not (math.isfinite(self.last_error) and math.isfinite(self.last_noise)):
+            return  # the checked step's gradient held an inf or a NaN (AMP skips that step): no decision from it
         ratio = error_to_noise(self.last_error, self.last_noise, max(world, 2))
         if ratio > self.max_error_to_noise and self.index + 1 < len(self.rungs):
             old = self.current
