@@ -39,14 +39,15 @@ def main(argv: list[str] | None = None) -> None:
     from gradsync.profiler.probe import QUALITY_STEPS, measure_quality_on_loopback, quality_proxy
     from gradsync.workloads import get_workload
 
-    jobs: dict[tuple[str, int], list[str]] = {}
     if args.held_out:
         ranks = [f"powersgd-overlap:matrix_approximation_rank={r}" for r in (4, 8, 16)]
         jobs = {(model, world): ranks for model in HELD_OUT for world in (2, 4)}
-    for r in [] if args.held_out else json.load(open(args.costs))["rows"]:
-        jobs.setdefault((r["model"], r["world_size"]), [])
-        if r["entry"] not in jobs[(r["model"], r["world_size"])]:
-            jobs[(r["model"], r["world_size"])].append(r["entry"])
+    else:
+        jobs: dict[tuple[str, int], list[str]] = {}
+        for r in json.load(open(args.costs))["rows"]:
+            entries = jobs.setdefault((r["model"], r["world_size"]), [])
+            if r["entry"] not in entries:
+                entries.append(r["entry"])
     out = []
     for (model_key, world), entries in jobs.items():
         entries = ["allreduce", *entries]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..comm.collectives import collective_device
 from ..options import Options, option
 from .base import HookState
-from .meter import LOCAL_GRADIENT, QualityMeter, error_to_noise, metered_hook, relative_errors
+from .meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, error_to_noise, metered_hook, relative_errors
 from .spec import hook_algorithm
 
 #: The quality model's limit (gradsync.profiler.quality_model.FITTED.limit; the profiler sits above the
@@ -52,8 +52,8 @@ class LadderOptions(Options):
         DEFAULT_MAX_ERROR_TO_NOISE, "escalate when the measured relative error exceeds this many times the dense "
         "average's gradient noise", low=0.0, high=100.0, low_open=True)
     reference_fraction: float = option(
-        1 / 16, "share of each gradient tensor's elements a check all-reduces densely and compares (the start-up "
-        "probe's)", low=0.0, high=1.0, low_open=True)
+        REFERENCE_FRACTION, "share of each gradient tensor's elements a check all-reduces densely and compares "
+        "(the start-up probe's)", low=0.0, high=1.0, low_open=True)
 
 
 def rungs(start: str) -> list[str]:
@@ -102,7 +102,7 @@ class LadderState(HookState):
     """
 
     def __init__(self, start: str, check_every: int = 50, max_error_to_noise: float = DEFAULT_MAX_ERROR_TO_NOISE,
-                 reference_fraction: float = 1 / 16, model: Any = None,
+                 reference_fraction: float = REFERENCE_FRACTION, model: Any = None,
                  process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
         super().__init__(process_group)
         self.rungs = rungs(start)
@@ -115,15 +115,17 @@ class LadderState(HookState):
         self.last_noise: Optional[float] = None
         self._pending_check = False
         self._in_step = False
-        self.meter = QualityMeter([self._build(0), LOCAL_GRADIENT], primary=0, process_group=process_group,
+        self.meter = QualityMeter(self._meter_hooks(0), primary=0, process_group=process_group,
                                   sample_fraction=reference_fraction, seed=seed)
 
-    def _build(self, index: int) -> tuple:
+    def _meter_hooks(self, index: int) -> list:
+        """The meter's hooks at rung ``index``: the rung's (the primary) and the rank's own gradient (the
+        noise)."""
         from . import REGISTRY, BuildContext, make_options, parse_entry
 
         name, options = parse_entry(self.rungs[index])
         ctx = BuildContext(model=self.model, make_optimizer=None, process_group=self.process_group, seed=self.seed)
-        return REGISTRY[name].make_hook(make_options(name, options), ctx)
+        return [REGISTRY[name].make_hook(make_options(name, options), ctx), LOCAL_GRADIENT]
 
     @property
     def current(self) -> str:
@@ -150,7 +152,7 @@ class LadderState(HookState):
                     self.retired[key] = self.retired.get(key, 0) + value
             inner.close()
             self.index += 1
-            self.meter.hooks = [self._build(self.index), LOCAL_GRADIENT]
+            self.meter.hooks = self._meter_hooks(self.index)
             self.switches.append({"iteration": self.iteration, "from": old, "to": self.current,
                                   "error": self.last_error, "noise": self.last_noise, "ratio": ratio})
             if not dist.is_initialized() or dist.get_rank(self.process_group) == 0:
@@ -196,7 +198,7 @@ class LadderState(HookState):
         if index != self.index:
             self.meter.hooks[0][0].close()
             self.index = index
-            self.meter.hooks = [self._build(index), LOCAL_GRADIENT]
+            self.meter.hooks = self._meter_hooks(index)
         self.switches = list(state["switches"])
         self.retired = dict(state["retired"])
         self.last_error, self.last_noise = state["last_error"], state.get("last_noise")

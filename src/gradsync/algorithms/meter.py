@@ -26,7 +26,7 @@ from ..comm.futures import completed
 from ..validation import check_float, check_int
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "local_gradient_hook", "LOCAL_GRADIENT",
-           "error_to_noise"]
+           "error_to_noise", "REFERENCE_FRACTION"]
 
 
 class ProxyBucket:
@@ -146,6 +146,11 @@ def relative_errors(sums: torch.Tensor) -> list[float]:
     """``sqrt(error_sq / reference_sq)`` of each row of :meth:`QualityMeter.sums` (0 where both are 0:
     nothing measured, or an all-zero gradient)."""
     return [(e / r) ** 0.5 if r > 0 else 0.0 for e, r in sums.cpu().tolist()]
+
+
+#: The share of each gradient tensor's elements the quality probe's and the ladder's dense reference
+#: all-reduces (:class:`QualityMeter` ``sample_fraction``): a sixteenth of a dense all-reduce per measured step.
+REFERENCE_FRACTION = 1 / 16
 
 
 def local_gradient_hook(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -40,8 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ..comm.agreement import replicas_agree
 from ..comm.collectives import collective_device
 from ..validation import check_int
-from ..algorithms.meter import (LOCAL_GRADIENT, ProxyBucket, QualityMeter, metered_hook,  # noqa: F401
-                                relative_errors)
+from ..algorithms.meter import (LOCAL_GRADIENT, REFERENCE_FRACTION, ProxyBucket, QualityMeter,  # noqa: F401
+                                metered_hook, relative_errors)
 from .advise import single_bucket
 from .compute import device_clock
 
@@ -146,14 +146,6 @@ QUALITY_STEPS = 8
 START_STEPS = 1
 
 
-#: The share of each gradient tensor's elements the quality probe's dense reference all-reduces
-#: (:class:`QualityMeter` ``sample_fraction``): a sixteenth of a dense all-reduce per measured step.
-REFERENCE_FRACTION = 1 / 16
-
-
-#: The hook DDP receives its result from while nothing trains (the start step, the measured steps): the
-#: rank's own gradient, nothing sent; metered, it gives the gradient noise.
-_LOCAL = LOCAL_GRADIENT
 
 
 class _ProbeCopy:
@@ -173,7 +165,9 @@ class _ProbeCopy:
         self.local = copy.deepcopy(model)
         self._build = lambda e: _hook_pair(e, self.local, make_optimizer, process_group, seed,
                                            int(batches[0][0].shape[0]), steps_per_epoch)
-        self.meter = QualityMeter([_LOCAL], primary=0, process_group=process_group,
+        # DDP receives the rank's own gradient while nothing trains (the start step, the measured steps);
+        # metered, it gives the gradient noise
+        self.meter = QualityMeter([LOCAL_GRADIENT], primary=0, process_group=process_group,
                                   sample_fraction=sample_fraction, seed=seed)
         self.ddp = _ddp(self.local, process_group, 1e4 if one_bucket else bucket_cap_mb)
         self.ddp.register_comm_hook(self.meter, metered_hook)
@@ -215,7 +209,7 @@ class _ProbeCopy:
         exactly as one call would have measured them all."""
         self.add(entries)
         hooks, primary = self.meter.hooks, self.meter.primary
-        self.meter.hooks = [_LOCAL] + [hooks[self.entries.index(e)] for e in entries]
+        self.meter.hooks = [LOCAL_GRADIENT] + [hooks[self.entries.index(e)] for e in entries]
         self.meter.primary = 0
         self.meter.restart_sample()
         self.meter.on = True
