@@ -123,12 +123,14 @@ def test_workload_with_model_and_defaults():
     vit, gru = get_workload("fashion-mnist", "vit-tiny"), get_workload("fashion-mnist", "gru")
     assert vit.optimizer == "adamw" and vit.defaults["lr"] == 1e-3 and gru.optimizer == "sgd"
     assert vit.describe()["parameters"] == 139_018 and gru.describe()["parameters"] == 161_034
-    for m in (vit.make_model(), gru.make_model()):
+    mixer = get_workload("fashion-mnist", "mixer")
+    assert mixer.optimizer == "adamw" and mixer.defaults == vit.defaults and mixer.describe()["parameters"] == 94_734
+    for m in (vit.make_model(), gru.make_model(), mixer.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
-    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, gru, resnet18"):
+    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, gru, mixer, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

@@ -31,6 +31,7 @@ from . import fashion_mnist
 from .resnet import ResNetFMNIST
 from .rnn import RowGRU
 from .vit import TinyViT
+from .mixer import TinyMixer
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -290,9 +291,12 @@ def _vision_choices() -> tuple[str, ...]:
 # same SGD + Nesterov momentum recipe.
 # A Vision Transformer of 139k parameters (gradsync.workloads.vit), trained with AdamW as ViTs are, and a GRU
 # reading the rows (gradsync.workloads.rnn, the recipe's SGD): model families no accuracy row or rule of
-# gradsync was tuned on (the out-of-sample tests of --algorithm auto).
+# gradsync was tuned on (the out-of-sample tests of --algorithm auto). An MLP-Mixer of 95k parameters
+# (gradsync.workloads.mixer), AdamW as the ViT: added after the ViT's rows entered the quality model's fit, as its
+# next out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
-                                                      "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU()}
+                                                      "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
+                                                      "mixer": lambda: TinyMixer()}
 
 
 _KJV_VOCAB_SIZE = 73
@@ -306,7 +310,8 @@ WORKLOADS: dict[str, Workload] = {
         "fashion-mnist", _load_fmnist, lambda: ResNetFMNIST(16, (1, 1, 1)), _random_flip,
         Recipe(batch_size=64, epochs=4, lr=0.1, warmup_fraction=0.15, weight_decay=5e-4, momentum=0.9),
         model="resnet8", model_choices=_vision_choices(), input_shape=(1, 28, 28), num_classes=10,
-        model_defaults={"convnext_tiny": _ADAMW_VISION, "swin_t": _ADAMW_VISION, "vit-tiny": _ADAMW_VISION},
+        model_defaults={"convnext_tiny": _ADAMW_VISION, "swin_t": _ADAMW_VISION, "vit-tiny": _ADAMW_VISION,
+                        "mixer": _ADAMW_VISION},
         native_models=_NATIVE_VISION),
     # Character-level LSTM language model on the King James Bible (GraVAC's LSTM workload);
     # test loss is nats per character, "accuracy" next-character accuracy.
