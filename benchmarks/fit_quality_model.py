@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{q.workload:<40} {q.entry:<58} {q.error:6.3f} {q.noise:6.3f} {q.ratio:6.3f} {extra:>7}")
     model = fit(pts)
     cv = cross_validate(pts)
-    print(f"fit: limit={model.limit:.3f} slope={model.slope:.3f}")
+    print("fit: " + "; ".join(f"{f}: limit={model.limits[f]:.3f} slope={model.slopes[f]:.3f}" for f in model.limits))
     print(f"leave-one-workload-out: {cv['misclassified']} of {cv['points']} points misclassified (reach/miss) over "
           f"{cv['workloads']} workloads; mean absolute error of the extra-steps fraction {cv['mae_extra']:.3f}")
+    for q in cv["wrong"]:
+        print(f"  held out, called wrong: {q.workload} {q.entry} (ratio {q.ratio:.3f}, {'missed' if math.isinf(q.extra) else 'reached'})")
 
 
 if __name__ == "__main__":

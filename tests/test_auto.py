@@ -10,10 +10,12 @@ from dataclasses import replace
 import shutil
 
 import pytest
+import torch
 
 from gradsync.profiler.advise import advise
 from gradsync.profiler.auto import effective_bandwidth_mbit
-from gradsync.profiler.quality_model import FITTED, QualityModel, QualityPoint, cross_validate, error_to_noise, fit
+from gradsync.profiler.quality_model import (FAMILIES, FITTED, QualityModel, QualityPoint, cross_validate, error_to_noise,
+                                            fit, optimizer_family)
 from gradsync.profiler.profile import ccr_at
 from gradsync.sim import synthetic_profile
 from gradsync.train.config import TrainConfig
@@ -31,10 +33,10 @@ def test_effective_bandwidth_reproduces_the_measured_all_reduce_time():
 
 
 def test_auto_weighs_iteration_time_with_extra_steps_predicted_from_the_measured_error():
-    model = QualityModel(limit=0.8, slope=0.2)
+    model = QualityModel({"sgd": 0.8, "adaptive": 0.5}, {"sgd": 0.2, "adaptive": 1.0})
     slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)  # a dense all-reduce of 10x the backward pass
     errors = {"fp16": 0.0003, "powersgd:matrix_approximation_rank=4": 0.3, "powersgd:matrix_approximation_rank=1": 0.8}
-    a = advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.5)
+    a = advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.5, family="sgd")
     assert a.ccr == pytest.approx(10.0) and a.choice.entry == "powersgd:matrix_approximation_rank=4"
     r4 = next(r for r in a.predictions if r.entry == "powersgd:matrix_approximation_rank=4")
     assert r4.extra_steps == pytest.approx(0.2 * 0.6 ** 2) and "error 0.30 = 0.60 x noise" in r4.cost
@@ -43,10 +45,19 @@ def test_auto_weighs_iteration_time_with_extra_steps_predicted_from_the_measured
     k4 = next(r for r in a.predictions if r.entry == "powersgd:matrix_approximation_rank=1")
     assert k4.iteration_s < r4.iteration_s and k4.time_to_quality_s == float("inf") and "miss" in k4.cost
     assert not next(r for r in a.predictions if r.entry == "bf16").measured  # no error measured: not chosen
+    # an adaptive optimizer (the stricter family): r=4's 0.6 x noise is above its 0.5; so when the family is unknown
+    for family in ("adaptive", None):
+        strict = advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.5, family=family)
+        assert strict.choice.entry == "fp16" and any("optimizer family adaptive" in n for n in strict.notes)
+    sgd = advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.5, family="sgd")
+    assert sgd.choice.entry == "powersgd:matrix_approximation_rank=4" and "> 0.80" in next(
+        r.cost for r in sgd.predictions if r.entry == "powersgd:matrix_approximation_rank=1")
+    with pytest.raises(ValueError, match="family must be one of sgd, adaptive"):
+        advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.5, family="lbfgs")
     # quieter gradients (noise 0.2): r=4's 0.3 is 1.5 x the noise and misses; fp16 (error 0.0003) is left
-    assert advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.2).choice.entry == "fp16"
+    assert advise(PROFILE, 2, slow_bw, errors=errors, model=model, noise=0.2, family="sgd").choice.entry == "fp16"
     # at 5 ranks the same noise of one rank's gradient means half as much in the average: r=4 misses there too
-    assert advise(PROFILE, 5, slow_bw, errors=errors, model=model, noise=0.5).predictions[0].entry != (
+    assert advise(PROFILE, 5, slow_bw, errors=errors, model=model, noise=0.5, family="sgd").predictions[0].entry != (
         "powersgd:matrix_approximation_rank=4")
     # errors without the noise: only the casts count (their rounding), the rest is not measured
     blind = advise(PROFILE, 2, slow_bw, errors=errors, model=model)
@@ -67,30 +78,57 @@ def test_auto_weighs_iteration_time_with_extra_steps_predicted_from_the_measured
 
 def test_quality_model_fit_and_cross_validation():
     inf = float("inf")
-    # noise 1 at 2 ranks: the ratio is the error; "c" has quiet gradients (0.1 of noise), "d" 5 ranks
+    # noise 1 at 2 ranks: the ratio is the error; "c" has quiet gradients (0.1 of noise), "d" 5 ranks; "e" and "f"
+    # train with AdamW, the adaptive family, fitted apart
     points = [QualityPoint(0.0, 1.0, 2, 0.0, "a"), QualityPoint(0.2, 1.0, 2, 0.02, "a"),
               QualityPoint(0.55, 1.0, 2, inf, "a"), QualityPoint(0.3, 1.0, 2, 0.03, "b"),
-              QualityPoint(0.7, 1.0, 2, inf, "b"), QualityPoint(0.06, 0.1, 2, inf, "c", "adamw"),
-              QualityPoint(0.1, 1.0, 5, 0.01, "d")]
+              QualityPoint(0.7, 1.0, 2, inf, "b"), QualityPoint(0.06, 0.1, 2, inf, "c"),
+              QualityPoint(0.1, 1.0, 5, 0.01, "d"),
+              QualityPoint(0.1, 1.0, 2, 0.05, "e", "adamw"), QualityPoint(0.3, 1.0, 2, inf, "e", "adamw"),
+              QualityPoint(0.12, 1.0, 2, 0.1, "f", "AdamW"), QualityPoint(0.25, 1.0, 2, inf, "f", "adamw")]
     assert points[5].ratio == pytest.approx(0.6) and points[6].ratio == pytest.approx(0.2)
     m = fit(points)
-    assert m.limit == pytest.approx(0.425)  # between the largest reached (0.3) and the smallest missed (0.55)
+    assert m.limit("sgd") == pytest.approx(0.425)  # between the largest reached (0.3) and the smallest missed (0.55)
+    assert m.limit("adaptive") == pytest.approx(0.185) and m.limit() == m.limit("adaptive")  # (0.12 + 0.25) / 2
     reached = [(0.02, 0.2), (0.03, 0.3), (0.01, 0.2)]
-    assert m.slope == pytest.approx(sum(x * r * r for x, r in reached) / sum(r ** 4 for _, r in reached))
-    assert m.extra_steps(0.45, 1.0, 2) == inf and m.extra_steps(0.2, 1.0, 2) == pytest.approx(m.slope * 0.04)
-    assert m.extra_steps(0.2, 0.4, 2) == inf and m.extra_steps(0.2, 1.0, 5) == pytest.approx(m.slope * 0.16)
+    assert m.slopes["sgd"] == pytest.approx(sum(x * r * r for x, r in reached) / sum(r ** 4 for _, r in reached))
+    sgd = m.slopes["sgd"]
+    assert m.extra_steps(0.45, 1.0, 2, "sgd") == inf and m.extra_steps(0.2, 1.0, 2, "sgd") == pytest.approx(sgd * 0.04)
+    assert m.extra_steps(0.2, 0.4, 2, "sgd") == inf and m.extra_steps(0.2, 1.0, 5, "sgd") == pytest.approx(sgd * 0.16)
+    assert m.extra_steps(0.2, 1.0, 2, "adaptive") == inf and m.extra_steps(0.2, 1.0, 2) == inf
     cv = cross_validate(points)
-    # held out, every point is called right: "c"'s 0.06 misses as 0.6 x its noise, above 0.425
-    assert cv["points"] == 7 and cv["workloads"] == 4 and cv["misclassified"] == 0
+    # held out, every SGD point is called right ("c"'s 0.06 misses as 0.6 x its noise, above 0.425); "e" held out
+    # leaves "f"'s cut (0.185), which calls e's 0.3 a miss and 0.1 a reach; "f" held out leaves e's 0.2: f's 0.25
+    # is called a miss, 0.12 a reach
+    assert cv["points"] == 11 and cv["workloads"] == 6 and cv["misclassified"] == 0
     assert cross_validate([replace(p, noise=1.0) if p.workload == "c" else p for p in points])["misclassified"] == 1
     with pytest.raises(ValueError, match="error"):
-        m.extra_steps(-0.1, 1.0, 2)
+        m.extra_steps(-0.1, 1.0, 2, "sgd")
+    with pytest.raises(ValueError, match="family must be one of"):
+        m.extra_steps(0.1, 1.0, 2, "lbfgs")
     with pytest.raises(ValueError, match="world_size"):
         error_to_noise(0.1, 1.0, 1)
     assert error_to_noise(0.0, 0.0, 2) == 0 and error_to_noise(0.1, 0.0, 2) == inf
     with pytest.raises(ValueError, match="points"):
         fit([])
-    assert 0 < FITTED.limit < 10 and FITTED.slope >= 0 and "leave-one-workload-out" in FITTED.cv
+    # a family without points gets the fit of all points
+    assert fit(points[:7]).limits == pytest.approx({"sgd": 0.425, "adaptive": 0.425})
+    assert set(FITTED.limits) == set(FAMILIES) and all(0 < v < 10 for v in FITTED.limits.values())
+    assert all(v >= 0 for v in FITTED.slopes.values()) and "leave-one-workload-out" in FITTED.cv
+
+
+def test_optimizer_family():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    for opt in (torch.optim.Adam(p), torch.optim.AdamW(p), torch.optim.RMSprop(p), torch.optim.Adagrad(p), "adamw",
+                "Lion", "adaptive"):
+        assert optimizer_family(opt) == "adaptive", opt
+    for opt in (torch.optim.SGD(p, lr=0.1, momentum=0.9), "sgd", "LARS"):
+        assert optimizer_family(opt) == "sgd", opt
+
+    class Wrapper:  # Accelerate's and Lightning's wrappers hold the optimizer as .optimizer
+        optimizer = torch.optim.AdamW(p)
+
+    assert optimizer_family(Wrapper()) == "adaptive"
 
 
 def test_no_file_under_src_holds_the_grids_rows():
@@ -210,9 +248,9 @@ def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_
     r16 = [e for e in metered if e.endswith("rank=16")]
     assert r16, metered
     casts = {"fp16": 0.0003, "bf16": 0.002}
-    first = _next_stage(metered, casts, None, simulated, PROFILE, 2, slow_bw, lambda e: True, 3)
+    first = _next_stage(metered, casts, None, None, simulated, PROFILE, 2, slow_bw, lambda e: True, 3)
     assert first and not set(r16) & set(first) and set(first) == set(metered) - set(r16)
     low = {e: 0.1 for e in first}  # every cheaper rank passes: r=16 cannot enter the short-list
-    assert _next_stage(r16, {**casts, **low}, 0.5, simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == []
+    assert _next_stage(r16, {**casts, **low}, 0.5, "sgd", simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == []
     high = {e: 5.0 for e in first}  # every cheaper rank misses: r=16 is measured after all
-    assert _next_stage(r16, {**casts, **high}, 0.5, simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == r16
+    assert _next_stage(r16, {**casts, **high}, 0.5, "sgd", simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == r16

@@ -78,7 +78,7 @@ def test_candidates_and_the_grids_rows_are_valid_settings():
     rows = json.loads((pathlib.Path(__file__).parents[1] / "benchmarks" / "data" / "accuracy_costs.json")
                       .read_text())["rows"]
     for row in rows:  # every published row names a candidate (a tail: its compressed phase) and its source
-        assert ("results" in row["source"] or row["source"].startswith("gradsync sweep ")) and row["steps"] > 0 \
+        assert ("results" in row["source"] or row["source"].startswith(("gradsync sweep ", "gradsync bench "))) and row["steps"] > 0 \
             and row["dense_steps"] > 0
         assert split_dense_tail(row["entry"])[0] in ENTRIES
 
@@ -155,6 +155,7 @@ def test_cli_fashion_mnist(tmp_path, capsys):
     assert "Recommendation:" in text and "Why: CCR" in text and "gradsync train --algorithm" in text
     assert "Measuring this job took" in text
     d = json.loads(out.read_text())
+    assert d["optimizer_family"] == "sgd"  # the workload's recipe optimizer
     assert {"profile", "ccr", "dense_allreduce_s", "predictions", "choice", "reason", "notes", "command",
             "bucket_cap_mb", "errors"} <= set(d) and d["quality_ranks"] == 2
     assert d["compute_scale"] == 0.5 and d["backward_s"] == d["profile"]["backward_s"] > 0
@@ -172,6 +173,19 @@ def test_cli_fashion_mnist(tmp_path, capsys):
     assert d["choice"]["entry"] in ENTRIES
     assert len(d["profile"]["buckets"]) >= 4  # --bucket-cap-mb auto: enough buckets to overlap
     assert d["command"] == train_command(d["choice"]["entry"], d["bucket_cap_mb"])
+
+
+def test_cli_user_model_optimizer_family(user_model, tmp_path, capsys):
+    # a model outside the workloads: its optimizer is not known unless given, and the strictest family's limit applies
+    out = tmp_path / "doctor.json"
+    argv = ["doctor", "--model", user_model, "--batch-size", "8", "--iterations", "1", "--bandwidth", "1",
+            "--world-size", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["optimizer_family"] is None
+    assert "the strictest: the optimizer is not known" in " ".join(capsys.readouterr().out.split())
+    assert main(argv + ["--optimizer", "SGD"]) == 0
+    assert json.loads(out.read_text())["optimizer_family"] == "sgd"
+    assert "(optimizer family sgd)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_loopback_ranks_measure_on_their_own_batches(user_model):

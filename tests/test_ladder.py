@@ -86,7 +86,7 @@ def test_bad_options():
     from gradsync.algorithms.ladder import DEFAULT_MAX_ERROR_TO_NOISE, rungs
     from gradsync.profiler.quality_model import FITTED
 
-    assert DEFAULT_MAX_ERROR_TO_NOISE == FITTED.limit
+    assert DEFAULT_MAX_ERROR_TO_NOISE == FITTED.limit()
     assert rungs("powersgd-overlap:matrix_approximation_rank=8") == [
         "powersgd-overlap:matrix_approximation_rank=8", "powersgd-overlap:matrix_approximation_rank=16", "fp16",
         "allreduce"]

@@ -211,7 +211,10 @@ def _staged(rank, world):
     staged = QualityProbe(model, batches, F.cross_entropy, _optimizer, [r1, r4], 0.005)
     staged.measure([r2, "powersgd:matrix_approximation_rank=2"])
     together.close(), staged.close()
-    assert together.noise == staged.noise
+    assert together.noise == staged.noise and together.family == "sgd"  # the optimizer's family, read from it
+    adam = QualityProbe(model, batches, F.cross_entropy, lambda p: torch.optim.AdamW(p, lr=1e-3), [r1], 0.005)
+    adam.close()
+    assert adam.family == "adaptive" and adam.errors[r1] == together.errors[r1]  # the error does not depend on it
     return together.errors, staged.errors
 
 

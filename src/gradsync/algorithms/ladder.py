@@ -35,9 +35,10 @@ from .base import HookState
 from .meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, error_to_noise, metered_hook, relative_errors
 from .spec import hook_algorithm
 
-#: The quality model's limit (gradsync.profiler.quality_model.FITTED.limit; the profiler sits above the
+#: The quality model's strictest limit (gradsync.profiler.quality_model.FITTED.limit(), the adaptive optimizers'; the
+#: ladder does not know the optimizer, and escalating early costs speed, not quality; the profiler sits above the
 #: algorithms, so the number is repeated here and a test keeps the two equal).
-DEFAULT_MAX_ERROR_TO_NOISE = 0.997
+DEFAULT_MAX_ERROR_TO_NOISE = 0.286
 
 
 @dataclass(frozen=True)

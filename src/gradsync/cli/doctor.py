@@ -19,6 +19,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quality-ranks", type=int, default=2,
                    help="loopback ranks that measure each lossy setting's error on this model's gradients "
                         "(0: measure nothing; lossy settings are then 'not measured')")
+    p.add_argument("--optimizer", default=None,
+                   help="the optimizer the job trains with (a torch.optim class name, e.g. SGD, AdamW): its family's "
+                        "limit on the compression error applies; default: a workload's recipe optimizer, for any "
+                        "other model the strictest family's limit")
     p.add_argument("--json", default=None, help="also write the profile, every prediction and the advice here")
     p.set_defaults(func=_doctor)
 
@@ -36,6 +40,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
     from ..profiler.advise import advise, periodic_predictions, train_command, worth_measuring
     from ..profiler.probe import measure_quality_on_loopback
+    from ..profiler.quality_model import optimizer_family
+    from ..workloads import WORKLOADS
     from ..validation import check_float, check_int
 
     check_float("--bandwidth", args.bandwidth, 0.0, 1e7, low_inclusive=False)
@@ -47,7 +53,7 @@ def _doctor(args: argparse.Namespace) -> int:
         raise ValueError("--quality-ranks must be 0 (measure nothing) or an integer >= 2; got 1")
     prof = _measure_profile(args).scale_compute(scale)
     simulated = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
-    errors, noise, spent = {}, None, None
+    errors, noise, family, spent = {}, None, None, None
     if quality_ranks:
         worth = worth_measuring(simulated)
         t0 = time.perf_counter()
@@ -55,9 +61,13 @@ def _doctor(args: argparse.Namespace) -> int:
             quality = measure_quality_on_loopback(args.model, args.batch_size, worth, quality_ranks,
                                                   prof.meta["bucket_cap_mb"], args.data_dir)
             errors, noise = quality.errors, quality.noise
+            if args.model.partition(":")[0] in WORKLOADS:
+                family = quality.family
         spent = time.perf_counter() - t0
+    if args.optimizer is not None:
+        family = optimizer_family(args.optimizer)
     advice = advise(prof, args.world_size, args.bandwidth, errors=errors, latency_s=args.latency_us * 1e-6,
-                    noise=noise, probe_seconds=spent)
+                    noise=noise, family=family, probe_seconds=spent)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
@@ -89,7 +99,8 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
                "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
-               "errors": errors, "noise": noise, "quality_ranks": quality_ranks, "command": command,
+               "errors": errors, "noise": noise, "optimizer_family": family,
+               "quality_ranks": quality_ranks, "command": command,
                "periodic": [dataclasses.asdict(r) for r in periodic]}
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)

@@ -14,7 +14,7 @@ was measured on the job itself (:mod:`gradsync.profiler.probe`):
 3. each candidate's predicted time to quality is its iteration time x (1 + extra-steps fraction), the
    fraction predicted by the quality model (:data:`~gradsync.profiler.quality_model.FITTED`) from the
    setting's relative error measured on the job's own gradients (``errors``) in units of their noise
-   (``noise``); 0 for the settings
+   (``noise``), with the limit of the job's optimizer family (``family``); 0 for the settings
    whose arithmetic equals DDP's (allreduce, DeAR);
 4. the candidates with a known cost are ranked by it; lossy settings whose error was not measured
    follow, by iteration time, labelled "not measured". The first is recommended unless the CCR is
@@ -221,9 +221,9 @@ class Advice:
 
 
 def _cost(entry: str, errors: Mapping[str, float], noise: float | None, world_size: int,
-          model: QualityModel) -> tuple[float | None, str, str | None]:
-    """``(extra_steps, cost in words, source)`` of ``entry`` from its measured relative error and the
-    job's gradient noise."""
+          model: QualityModel, family: str | None) -> tuple[float | None, str, str | None]:
+    """``(extra_steps, cost in words, source)`` of ``entry`` from its measured relative error, the
+    job's gradient noise and its optimizer family."""
     if entry in LOSSLESS:
         return 0.0, "none (same arithmetic as DDP)", LOSSLESS[entry]
     if entry not in errors:
@@ -235,9 +235,9 @@ def _cost(entry: str, errors: Mapping[str, float], noise: float | None, world_si
             return 0.0, f"error {e:.4f}, a cast's rounding (gradient noise not measured)", source
         return None, f"error {e:.2f}, gradient noise not measured", None
     r = error_to_noise(e, noise, world_size)
-    extra = model.extra_steps(e, noise, world_size)
+    extra = model.extra_steps(e, noise, world_size, family)
     if math.isinf(extra):
-        return extra, f"error {e:.2f} = {r:.2f} x noise > {model.limit:.2f}: predicted to miss", source
+        return extra, f"error {e:.2f} = {r:.2f} x noise > {model.limit(family):.2f}: predicted to miss", source
     return extra, f"error {e:.2f} = {r:.2f} x noise: {extra * 100:+.0f} % steps predicted", source
 
 
@@ -245,7 +245,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
            errors: Mapping[str, float] | None = None, iterations: Mapping[str, float] | None = None,
            latency_s: float = 0.0, overlap_efficiency: float = 1.0,
            allowed: Callable[[str], bool] = lambda entry: True, noise: float | None = None,
-           model: QualityModel = FITTED, probe_seconds: float | None = None) -> Advice:
+           family: str | None = None, model: QualityModel = FITTED, probe_seconds: float | None = None) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -267,6 +267,8 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         noise: the job's gradient noise measured with ``errors``
             (:class:`~gradsync.profiler.probe.MeasuredQuality`; dimensionless), the unit of the quality
             model; None: a lossy setting but the 16-bit casts is "not measured".
+        family: the job's optimizer family (:func:`~gradsync.profiler.quality_model.optimizer_family`),
+            whose limit and slope apply; None (not known): the strictest family's.
         model: the quality model (default: the fitted one).
         probe_seconds: what measuring ``errors`` and ``iterations`` cost (seconds), for the notes.
 
@@ -290,7 +292,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         t = iterations.get(entry)
         if t is None:
             t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
-        extra, cost, source = _cost(entry, errors, noise, world_size, model)
+        extra, cost, source = _cost(entry, errors, noise, world_size, model, family)
         rows.append(Prediction(entry, label, t, 0.0, extra, cost, source,
                                None if extra is None else t * (1 + extra), timed=entry in iterations))
     dense = rows[0].iteration_s
@@ -324,11 +326,11 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         reason += (f" {f.label} is predicted {f.speedup:.2f}x per iteration, but its error was not "
                    f"measured on this job.")
     return Advice(world_size, bandwidth_mbit, latency_s, prof.backward_s, ccr * prof.backward_s, ccr,
-                  tuple(ranked), choice, reason, tuple(_notes(prof, model, errors, noise, world_size, probe_seconds)))
+                  tuple(ranked), choice, reason, tuple(_notes(prof, model, errors, noise, world_size, family, probe_seconds)))
 
 
 def _notes(prof: Profile, model: QualityModel, errors: Mapping[str, float], noise: float | None, world_size: int,
-           probe_seconds: float | None) -> list[str]:
+           family: str | None, probe_seconds: float | None) -> list[str]:
     """Caveats printed under the recommendation."""
     notes = ["Dense all-reduce time is modelled (ring alpha-beta at the given bandwidth); compute times are this "
              "machine's; iteration times marked 'measured' were timed on the job's own network.",
@@ -342,7 +344,8 @@ def _notes(prof: Profile, model: QualityModel, errors: Mapping[str, float], nois
         if noise is not None:
             notes.append(f"Gradient noise on this job: one rank's gradient lies {noise:.3f} (relative) from the "
                          f"average, so the average carries {noise / math.sqrt(world_size - 1):.3f}; a setting is "
-                         f"predicted to miss above {model.limit:.2f} x that.")
+                         f"predicted to miss above {model.limit(family):.2f} x that (optimizer family "
+                         f"{model.family(family)}{'' if family else ', the strictest: the optimizer is not known'}).")
     else:
         notes.append("No compression error was measured on this job: lossy settings are 'not measured' and not "
                      "recommended.")

@@ -105,8 +105,8 @@ class AutoDecision:
     ``errors`` (``{entry: relative error}``) and ``iterations`` (``{entry: seconds}``) measured,
     ``probe_seconds``, the wall-clock cost of those measurements on this rank, ``phases``, that
     cost by step of the module docstring (seconds: ``profile``, ``ccr``, ``quality``, ``timing``; a
-    step not taken is absent), and the gradient ``noise`` the errors were judged against (None where
-    no lossy setting was metered)."""
+    step not taken is absent), and the gradient ``noise`` and optimizer ``family`` the errors were judged
+    against (None where no lossy setting was metered)."""
 
     entry: str
     advice: Advice
@@ -115,11 +115,13 @@ class AutoDecision:
     probe_seconds: float
     phases: dict = dataclasses.field(default_factory=dict)
     noise: float | None = None
+    family: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures for metrics.json."""
         return {"auto_choice": self.entry, "auto_reason": self.advice.reason, "auto_ccr": self.advice.ccr,
-                "auto_errors": self.errors, "auto_noise": self.noise, "auto_iterations_s": self.iterations,
+                "auto_errors": self.errors, "auto_noise": self.noise,
+                "auto_optimizer_family": self.family, "auto_iterations_s": self.iterations,
                 "auto_probe_seconds": self.probe_seconds, "auto_probe_phases_s": self.phases}
 
     def describe_phases(self) -> str:
@@ -127,8 +129,9 @@ class AutoDecision:
         return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
 
 
-def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, simulated: Advice, prof: Profile,
-                world: int, bandwidth: float, allowed: Callable[[str], bool], shortlist: int) -> list[str]:
+def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, family: str | None, simulated: Advice,
+                prof: Profile, world: int, bandwidth: float, allowed: Callable[[str], bool],
+                shortlist: int) -> list[str]:
     """The ``pending`` entries to measure next: those that could still enter the short-list, but the
     costliest of them, which waits for the others' errors. An entry's predicted time to quality is at
     least its simulated iteration (no extra steps), so one at or above the ``shortlist``-th best
@@ -138,7 +141,7 @@ def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, simul
     candidates' bytes (the GRU at 5 Mbit/s: r=1..16 send 31 units of r=1's per step, r=16 16 of them)."""
     if not pending:
         return []
-    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise).predictions
+    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise, family=family).predictions
     known = sorted(r.time_to_quality_s for r in ranked
                    if r.entry != "allreduce" and r.measured and is_hook(r.entry) and r.time_to_quality_s is not None)
     bound = known[shortlist - 1] if len(known) >= shortlist else math.inf
@@ -175,6 +178,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     simulated = advise(prof, world, bandwidth, allowed=allowed)
     errors: dict[str, float] = {}
     noise: float | None = None
+    family: str | None = None
     iterations: dict[str, float] = {}
     phases: dict[str, float] = {}
     if simulated.ccr >= LOW_CCR:
@@ -184,15 +188,16 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
         probe = None
-        while stage := _next_stage([e for e in metered if e not in errors], errors, noise, simulated, prof, world,
-                                   bandwidth, allowed, shortlist):
+        while stage := _next_stage([e for e in metered if e not in errors], errors, noise, family, simulated, prof,
+                                   world, bandwidth, allowed, shortlist):
             if probe is None:
                 probe = QualityProbe(model, batches, loss_fn, make_optimizer, stage, bucket_cap_mb,
                                      process_group=group, seed=seed)
             errors.update(probe.measure(stage))
-            noise = probe.noise
+            noise, family = probe.noise, probe.family
         phases["quality"] = time.perf_counter() - t0
-        ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise).predictions
+        ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise,
+                        family=family).predictions
         short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)
                  and math.isfinite(r.time_to_quality_s)][:shortlist]
         ddp = next(r for r in ranked if r.entry == "allreduce")
@@ -209,12 +214,12 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
             probe.close()
     spent = time.perf_counter() - t0
     if iterations:
-        advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, noise=noise,
+        advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, noise=noise, family=family,
                         allowed=lambda e: e in iterations or e == "allreduce", probe_seconds=spent)
     else:
-        advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise,
+        advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise, family=family,
                         probe_seconds=spent)
-    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise)
+    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -44,6 +44,7 @@ from ..algorithms.meter import (LOCAL_GRADIENT, REFERENCE_FRACTION, ProxyBucket,
                                 metered_hook, relative_errors)
 from .advise import single_bucket
 from .compute import device_clock
+from .quality_model import optimizer_family
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "MeasuredQuality",
            "QualityProbe",
@@ -62,10 +63,13 @@ class MeasuredQuality:
         noise: the gradient noise ``sqrt(mean_i sum ||g_i - d||^2 / sum ||d||^2)`` of rank ``i``'s own
             gradient ``g_i`` against the dense average ``d`` over the same steps and elements
             (dimensionless; :func:`gradsync.profiler.quality_model.error_to_noise`).
+        family: the optimizer family of ``make_optimizer``'s optimizer
+            (:func:`gradsync.profiler.quality_model.optimizer_family`), whose limit applies.
     """
 
     errors: dict
     noise: float
+    family: str = "sgd"
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,7 @@ class _ProbeCopy:
         self.ddp = _ddp(self.local, process_group, 1e4 if one_bucket else bucket_cap_mb)
         self.ddp.register_comm_hook(self.meter, metered_hook)
         self.opt = make_optimizer(self.ddp.parameters())
+        self.family = optimizer_family(self.opt)
         self.step = 0
         self.noise: Optional[float] = None
         self._backward(range(START_STEPS))
@@ -264,6 +269,7 @@ class QualityProbe(_ProbeCopy):
             entries given: :func:`quality_proxy`), identical on every rank.
         noise: the gradient noise over the same steps (:class:`MeasuredQuality`), identical on every
             rank; the same at every :meth:`measure`.
+        family: the optimizer family of ``make_optimizer``'s optimizer (:class:`MeasuredQuality`).
     """
 
     def __init__(self, model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
@@ -313,7 +319,7 @@ def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
                          process_group=process_group, seed=seed, steps_per_epoch=steps_per_epoch,
                          reference_fraction=reference_fraction)
     probe.close()
-    return MeasuredQuality({e: probe.errors[quality_proxy(e)] for e in entries}, probe.noise)
+    return MeasuredQuality({e: probe.errors[quality_proxy(e)] for e in entries}, probe.noise, probe.family)
 
 
 def quality_proxy(entry: str) -> str:
