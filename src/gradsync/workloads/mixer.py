@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .vit import patch_embedding
+
 
 class _MixerBlock(nn.Module):
     def __init__(self, tokens: int, dim: int, token_mlp: int, channel_mlp: int) -> None:
@@ -43,11 +45,7 @@ class TinyMixer(nn.Module):
     def __init__(self, image: tuple[int, int, int] = (1, 28, 28), patch: int = 4, dim: int = 64, depth: int = 4,
                  token_mlp: int = 64, channel_mlp: int = 128, classes: int = 10) -> None:
         super().__init__()
-        c, h, w = image
-        if h % patch or w % patch:
-            raise ValueError(f"image sides {h}x{w} must be multiples of patch {patch}")
-        tokens = (h // patch) * (w // patch)
-        self.embed = nn.Conv2d(c, dim, kernel_size=patch, stride=patch)
+        self.embed, tokens = patch_embedding(image, patch, dim)
         self.blocks = nn.Sequential(*(_MixerBlock(tokens, dim, token_mlp, channel_mlp) for _ in range(depth)))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)

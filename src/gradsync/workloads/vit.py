@@ -10,6 +10,19 @@ import torch
 from torch import nn
 
 
+def patch_embedding(image: tuple[int, int, int], patch: int, dim: int) -> tuple[nn.Conv2d, int]:
+    """``(embedding, tokens)``: a convolution that embeds each non-overlapping ``patch`` x ``patch`` patch of an
+    ``image`` (channels, height, width) as ``dim`` channels, and the number of patches.
+
+    Raises:
+        ValueError: if the image sides are not multiples of ``patch``.
+    """
+    c, h, w = image
+    if h % patch or w % patch:
+        raise ValueError(f"image sides {h}x{w} must be multiples of patch {patch}")
+    return nn.Conv2d(c, dim, kernel_size=patch, stride=patch), (h // patch) * (w // patch)
+
+
 class TinyViT(nn.Module):
     """ViT on ``[B, C, H, W]`` float32 images (H and W multiples of ``patch``) -> logits ``[B, classes]``.
 
@@ -29,13 +42,9 @@ class TinyViT(nn.Module):
     def __init__(self, image: tuple[int, int, int] = (1, 28, 28), patch: int = 4, dim: int = 64, depth: int = 4,
                  heads: int = 4, mlp: int = 128, classes: int = 10) -> None:
         super().__init__()
-        c, h, w = image
-        if h % patch or w % patch:
-            raise ValueError(f"image sides {h}x{w} must be multiples of patch {patch}")
         if dim % heads:
             raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
-        tokens = (h // patch) * (w // patch)
-        self.embed = nn.Conv2d(c, dim, kernel_size=patch, stride=patch)
+        self.embed, tokens = patch_embedding(image, patch, dim)
         self.cls = nn.Parameter(torch.zeros(1, 1, dim))
         self.pos = nn.Parameter(torch.randn(1, tokens + 1, dim) * 0.02)
         block = nn.TransformerEncoderLayer(dim, heads, mlp, dropout=0.0, activation="gelu", batch_first=True,
