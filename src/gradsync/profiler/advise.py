@@ -235,7 +235,7 @@ def _cost(entry: str, errors: Mapping[str, float], noise: float | None, world_si
             return 0.0, f"error {e:.4f}, a cast's rounding (gradient noise not measured)", source
         return None, f"error {e:.2f}, gradient noise not measured", None
     r = error_to_noise(e, noise, world_size)
-    extra = model.extra_steps(e, noise, world_size, family)
+    extra = model.extra_at(r, family)
     if math.isinf(extra):
         return extra, f"error {e:.2f} = {r:.2f} x noise > {model.limit(family):.2f}: predicted to miss", source
     return extra, f"error {e:.2f} = {r:.2f} x noise: {extra * 100:+.0f} % steps predicted", source

@@ -49,6 +49,7 @@ from .advise import CASTS, LOW_CCR, Advice, advise, is_hook, worth_measuring
 from .ccr import measure_ccr
 from .probe import QualityProbe, cast_errors, probe_batches, quality_proxy, time_candidates
 from .profile import ccr_at, record_profile
+from .quality_model import unwrap_optimizer
 
 __all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "SHORTLIST", "AutoDecision", "agreed_profile", "decide",
            "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
@@ -273,13 +274,7 @@ def optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
     Raises:
         ValueError: if ``optimizer`` is no ``torch.optim.Optimizer`` (nor wraps one).
     """
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
-            inner = getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer):
-            break
-        optimizer = inner
+    optimizer = unwrap_optimizer(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"algorithm 'auto' needs the job's torch.optim.Optimizer; got {type(optimizer).__name__}")
     cls, defaults = type(optimizer), dict(optimizer.defaults)

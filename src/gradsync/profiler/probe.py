@@ -69,7 +69,7 @@ class MeasuredQuality:
 
     errors: dict
     noise: float
-    family: str = "sgd"
+    family: str
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,6 @@ QUALITY_STEPS = 8
 #: steps trained the copy with the fp16 cast: half a dense all-reduce each (1.2 s of the GRU's probe at
 #: 5 Mbit/s per copy).
 START_STEPS = 1
-
-
 
 
 class _ProbeCopy:

@@ -53,7 +53,7 @@ import torch
 
 from ..algorithms.meter import error_to_noise
 
-__all__ = ["QualityModel", "QualityPoint", "FAMILIES", "optimizer_family", "error_to_noise", "fit", "cross_validate",
+__all__ = ["QualityModel", "QualityPoint", "FAMILIES", "optimizer_family", "unwrap_optimizer", "error_to_noise", "fit", "cross_validate",
            "FITTED"]
 
 
@@ -84,6 +84,20 @@ FAMILIES = ("sgd", "adaptive")
 _ADAPTIVE_NAMES = ("adam", "adagrad", "adadelta", "rmsprop", "lamb", "lion", "adafactor", "shampoo", "sophia")
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` inside framework wrappers (Accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``: an ``optimizer`` or ``_optimizer`` attribute), or ``optimizer``
+    itself where it wraps none."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            inner = getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer):
+            break
+        optimizer = inner
+    return optimizer
+
+
 def optimizer_family(optimizer: Any) -> str:
     """``"adaptive"`` for an optimizer that scales each coordinate by a running statistic of its own
     gradients (Adam, AdamW, NAdam, RAdam, Adamax, Adagrad, Adadelta, RMSprop and, by class name, LAMB, Lion,
@@ -93,9 +107,7 @@ def optimizer_family(optimizer: Any) -> str:
         optimizer: a ``torch.optim.Optimizer``, a framework wrapper with an ``optimizer`` attribute
             (Accelerate's, Lightning's), or a name (``"sgd"``, ``"adamw"``, a family).
     """
-    while not isinstance(optimizer, (str, torch.optim.Optimizer)) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    name = (optimizer if isinstance(optimizer, str) else type(optimizer).__name__).lower()
+    name = (optimizer if isinstance(optimizer, str) else type(unwrap_optimizer(optimizer)).__name__).lower()
     if name in FAMILIES:
         return name
     return "adaptive" if any(k in name for k in _ADAPTIVE_NAMES) else "sgd"
@@ -128,6 +140,16 @@ class QualityModel:
         """The ratio above which a setting is predicted to miss, for ``family`` (None: the strictest)."""
         return self.limits[self.family(family)]
 
+    def extra_at(self, ratio: float, family: str | None = None) -> float:
+        """:meth:`extra_steps` of a setting whose error is ``ratio`` times the average's noise
+        (:func:`error_to_noise`).
+
+        Raises:
+            ValueError: for an unknown family.
+        """
+        family = self.family(family)
+        return math.inf if ratio > self.limits[family] else self.slopes[family] * ratio * ratio
+
     def extra_steps(self, error: float, noise: float, world_size: int, family: str | None = None) -> float:
         """Predicted fraction of extra steps to dense's quality target (``math.inf``: predicted to miss)
         of a setting with relative ``error`` on a job with gradient ``noise`` on ``world_size`` ranks
@@ -136,9 +158,7 @@ class QualityModel:
         Raises:
             ValueError: as :func:`error_to_noise`; for an unknown family.
         """
-        family = self.family(family)
-        r = error_to_noise(error, noise, world_size)
-        return math.inf if r > self.limits[family] else self.slopes[family] * r * r
+        return self.extra_at(error_to_noise(error, noise, world_size), family)
 
 
 def _threshold(points: Sequence[QualityPoint]) -> float:
