@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from gradsync.profiler.probe import RACE_MIN_STEPS, TIMED_STEPS
 
 
 def _job(rank):
@@ -37,6 +38,9 @@ def _quality(rank, world):
     errors = measure_quality(model, batches, F.cross_entropy, _optimizer, ENTRIES, bucket_cap_mb=0.005).errors
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was probed
     timed = time_candidates(model, batches, F.cross_entropy, _optimizer, ["allreduce", "fp16"], bucket_cap_mb=0.005)
+    # fp16 fifty times the steps to quality: dropped from the race as soon as any entry may be
+    raced = time_candidates(model, batches, F.cross_entropy, _optimizer, ["allreduce", "fp16"], bucket_cap_mb=0.005,
+                            factors={"allreduce": 1.0, "fp16": 50.0})
     casts = cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"])
     # a copy's start step rebuilds DDP's buckets without training; the candidate compresses from its first step
     copy = _ProbeCopy(model, ["powersgd-overlap:matrix_approximation_rank=1"], batches, F.cross_entropy, _optimizer,
@@ -47,7 +51,8 @@ def _quality(rank, world):
     copy.train(1)
     first = state.stats()
     copy.close()
-    return (errors, {e: (p.iteration_s, p.wire_bytes_per_step) for e, p in timed.items()}, casts,
+    timed = {e: (p.iteration_s, p.wire_bytes_per_step, p.timed_steps, raced[e].timed_steps) for e, p in timed.items()}
+    return (errors, timed, casts,
             (len(copy.meter.hooks), untrained, started, first["wire_bytes"], first["dense_wire_bytes"]))
 
 
@@ -66,8 +71,23 @@ def test_errors_against_dense_are_exact_for_exact_settings_and_the_same_on_every
     assert 0.05 < r4 < r1 < 2  # a higher rank keeps more of the gradient
     assert e0["powersgd:matrix_approximation_rank=4"] == r4  # torch's PowerSGD is measured as the overlapped one
     assert 0.1 < e0["covap:ratio=2:cast=fp16"] < 2 and 0.1 < e0["topk:density=0.1"] < 2
-    assert all(s > 0 for s, _ in t0.values())
+    assert all(s > 0 for s, *_ in t0.values())
     assert t0["fp16"][1] == t0["allreduce"][1] / 2  # half the wire bytes of the dense all-reduce
+    assert t0["fp16"][2] == t0["allreduce"][2] == TIMED_STEPS  # no factors: no race
+    assert t0["fp16"][3] == t0["allreduce"][3] == RACE_MIN_STEPS  # the race ended when fp16 was dropped
+
+
+def test_a_race_drops_an_entry_clearly_slower_to_quality_and_stops_on_a_tie():
+    from gradsync.profiler.probe import RACE_TIE, race
+
+    # 2 x noise intervals: b's [1.20, 1.32] lies above a's [0.95, 1.05]; c's [0.90, 1.30] overlaps it
+    assert race({"a": 1.0, "b": 1.26, "c": 1.1}, {"a": 0.025, "b": 0.02, "c": 0.09}) == (["a", "c"], False)
+    assert race({"a": 1.0, "b": 1.26}, {"a": 0.025, "b": 0.02}) == (["a"], True)
+    # overlapping, but all within the tie: more steps would choose between settings at most RACE_TIE apart
+    near = 1 + RACE_TIE / 4
+    assert race({"a": 1.0, "b": near}, {"a": 0.005, "b": 0.005}) == (["a", "b"], True)
+    assert race({"a": 1.0, "b": near}, {"a": 0.05, "b": 0.05}) == (["a", "b"], False)  # too noisy to call a tie
+    assert race({"a": 1.0, "b": 1.0}, {"a": 0.0, "b": 0.0}) == (["a", "b"], True)
 
 
 def _primary(rank, world):

@@ -17,9 +17,11 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
    quality model (:mod:`gradsync.profiler.quality_model`) turns into predicted extra steps. No table of
    other models' runs is read;
 3. **short-list and time**: the :data:`SHORTLIST` candidates with the least predicted time to quality
-   (simulated iteration x (1 + extra steps)) are timed for a few steps each on the real network
+   (simulated iteration x (1 + extra steps)) are timed on the real network in a race
    (:func:`~gradsync.profiler.probe.time_candidates`, on the quality probe's copy where they run on
-   DDP's buckets); DDP with them only where it is a contender (:data:`DDP_CONTENDER`), else its
+   DDP's buckets): each at least :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` steps, then one
+   clearly slower to quality than the best stops, until one is left or the rest are within
+   :data:`~gradsync.profiler.probe.RACE_TIE` (at most :data:`~gradsync.profiler.probe.TIMED_STEPS`); DDP with them only where it is a contender (:data:`DDP_CONTENDER`), else its
    iteration is simulated from the measured all-reduce time (step 1), which spares the probe its most
    expensive steps on a slow network;
 4. the choice (:func:`gradsync.profiler.advise.advise` over the timed candidates and DDP): the least
@@ -207,8 +209,9 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
             short.append("allreduce")  # a contender: timed beside the others, on the same copy
         if short:
             t1 = time.perf_counter()
+            factor = {r.entry: r.time_to_quality_s / r.iteration_s for r in ranked if r.entry in short}
             timed = time_candidates(model, batches, loss_fn, make_optimizer, short, bucket_cap_mb,
-                                    process_group=group, seed=seed, probe=probe)
+                                    process_group=group, seed=seed, probe=probe, factors=factor)
             iterations = {e: p.iteration_s for e, p in timed.items()}
             phases["timing"] = time.perf_counter() - t1
         if probe is not None:

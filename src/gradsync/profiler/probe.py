@@ -28,9 +28,10 @@ reports.
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
 import copy
+import math
 import statistics
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ from .quality_model import optimizer_family
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "MeasuredQuality",
            "QualityProbe",
            "measure_quality", "quality_proxy", "time_candidates", "cast_errors", "probe_batches",
-           "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION"]
+           "race", "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION", "RACE_MIN_STEPS", "TIMED_STEPS", "RACE_TIE"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -83,12 +84,14 @@ class CandidateProbe:
         relative_error: ``sqrt(sum ||c - d||^2 / sum ||d||^2)`` over the quality steps (dimensionless;
             0 for an exact setting), the same on every rank; None when not measured.
         wire_bytes_per_step: the hook's own wire bytes per timed step (bytes); None when not timed.
+        timed_steps: how many steps were timed (fewer for an entry a race dropped); None when not timed.
     """
 
     entry: str
     iteration_s: Optional[float] = None
     relative_error: Optional[float] = None
     wire_bytes_per_step: Optional[float] = None
+    timed_steps: Optional[int] = None
 
 
 def _hook_pair(entry: str, model: nn.Module, make_optimizer: Any, process_group: Any, seed: int,
@@ -148,6 +151,54 @@ QUALITY_STEPS = 8
 #: steps trained the copy with the fp16 cast: half a dense all-reduce each (1.2 s of the GRU's probe at
 #: 5 Mbit/s per copy).
 START_STEPS = 1
+
+
+#: Rounds every raced candidate is timed before any is dropped (:meth:`_ProbeCopy.time`).
+RACE_MIN_STEPS = 3
+#: Most rounds of :func:`time_candidates` (a raced timing ends earlier when it is settled).
+TIMED_STEPS = 8
+#: Width of a raced entry's interval in standard errors of its median step time.
+RACE_Z = 2.0
+#: Entries whose intervals of time to quality all lie within this fraction of each other are not
+#: told apart by more steps: any of them is within it of the best.
+RACE_TIE = 0.05
+
+
+def race(scores: Mapping[str, float], spreads: Mapping[str, float], z: float = RACE_Z,
+         tie: float = RACE_TIE) -> tuple[list[str], bool]:
+    """One elimination round of a race between timed candidates (successive elimination, as in
+    Maron & Moore's Hoeffding races, NIPS 1993): ``(survivors, settled)``.
+
+    Args:
+        scores: ``{entry: predicted time to quality}`` (seconds per DDP step-equivalent: median step x
+            (1 + extra steps)).
+        spreads: ``{entry: relative standard error of its median}`` (dimensionless).
+
+    An entry survives while the lower end of its interval ``score x (1 +/- z x spread)`` is at most the
+    upper end of the best entry's; the race is settled when one survives or every survivor's interval
+    lies within ``tie`` of every other's (more steps would choose between settings at most ``tie``
+    apart)."""
+    lo = {e: s * (1 - z * spreads[e]) for e, s in scores.items()}
+    hi = {e: s * (1 + z * spreads[e]) for e, s in scores.items()}
+    best = min(scores, key=lambda e: (scores[e], e))
+    live = [e for e in scores if lo[e] <= hi[best]]
+    settled = len(live) == 1 or max(hi[e] for e in live) <= (1 + tie) * min(lo[e] for e in live)
+    return live, settled
+
+
+def _agreed_medians(times: Mapping[str, Sequence[float]], group: Any) -> tuple[dict, dict]:
+    """Collective: ``({entry: median step seconds}, {entry: relative standard error of that median})``,
+    each the MAX over the ranks (one all-reduce). The standard error of a median of ``n`` steps is
+    taken as 1.253 x 1.4826 x MAD / sqrt(n) (normal errors; the MAD resists a step stalled by the machine)."""
+    stats = []
+    for t in times.values():
+        m = statistics.median(t)
+        mad = statistics.median(abs(x - m) for x in t)
+        stats += [m, 1.253 * 1.4826 * mad / math.sqrt(len(t)) / m if m > 0 else 0.0]
+    v = torch.tensor(stats, dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
+    v = v.tolist()
+    return ({e: v[2 * k] for k, e in enumerate(times)}, {e: v[2 * k + 1] for k, e in enumerate(times)})
 
 
 class _ProbeCopy:
@@ -231,24 +282,41 @@ class _ProbeCopy:
         self.noise = noise
         return dict(zip(entries, errors))
 
-    def time(self, entries: Sequence[str], steps: int) -> dict[str, CandidateProbe]:
-        """Collective: ``steps`` timed steps of each entry, taken in turn (entry 1, entry 2, ..., entry
-        1, ...), so a drift of the network or the machine reaches every entry alike; the median, MAX
-        over the ranks. An entry the copy does not hold yet joins it (after the start steps: it
-        compresses at once)."""
+    def time(self, entries: Sequence[str], steps: int, factors: Optional[Mapping[str, float]] = None,
+             min_steps: int = RACE_MIN_STEPS) -> dict[str, CandidateProbe]:
+        """Collective: up to ``steps`` timed steps of each entry, taken in rounds (entry 1, entry 2, ...,
+        entry 1, ...), so a drift of the network or the machine reaches every entry alike; each entry's
+        median, MAX over the ranks. An entry the copy does not hold yet joins it (after the start steps:
+        it compresses at once).
+
+        With ``factors`` (``{entry: 1 + predicted extra steps}``) the entries race (:func:`race`): from
+        round ``min_steps`` on, after every round, an entry whose time to quality (median x factor) is
+        worse than the best's beyond both their spreads stops being timed, and the timing ends when one
+        entry is left or the rest lie within :data:`RACE_TIE` of each other; the decisions use medians
+        and spreads all-reduced (MAX), so every rank times the same steps."""
         self.add(entries)
-        index = [self.entries.index(e) for e in entries]
-        wire0 = [float(self.meter.hooks[i][0].stats()["wire_bytes"]) for i in index]
-        times: list[list[float]] = [[] for _ in entries]
-        for _ in range(steps):
-            for k, i in enumerate(index):
-                self.meter.primary = i
-                times[k] += self.train(1)
-        medians = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64,
-                               device=collective_device(self.process_group))
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self.process_group)
-        return {e: CandidateProbe(e, t, None, (float(self.meter.hooks[i][0].stats()["wire_bytes"]) - w) / steps)
-                for e, i, t, w in zip(entries, index, medians.tolist(), wire0)}
+        index = {e: self.entries.index(e) for e in entries}
+        wire0 = {e: float(self.meter.hooks[i][0].stats()["wire_bytes"]) for e, i in index.items()}
+        times: dict[str, list[float]] = {e: [] for e in entries}
+        medians: dict[str, float] = {}
+        live = list(entries)
+        for done in range(1, steps + 1):
+            for e in live:
+                self.meter.primary = index[e]
+                times[e] += self.train(1)
+            if done < steps and (factors is None or done < min_steps):
+                continue
+            agreed, spread = _agreed_medians({e: times[e] for e in live}, self.process_group)
+            medians.update(agreed)
+            if factors is None:
+                break
+            live, settled = race({e: agreed[e] * factors[e] for e in live}, spread)
+            if settled:
+                break
+        return {e: CandidateProbe(e, medians[e], None,
+                                  (float(self.meter.hooks[i][0].stats()["wire_bytes"]) - wire0[e]) / len(times[e]),
+                                  len(times[e]))
+                for e, i in index.items()}
 
     def close(self) -> None:
         for state, _ in self.meter.hooks:
@@ -333,17 +401,21 @@ def quality_proxy(entry: str) -> str:
 
 def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
-                    bucket_cap_mb: float, *, steps: int = 5, process_group: Any = None, seed: int = 0,
-                    steps_per_epoch: int = 0, probe: Optional[QualityProbe] = None) -> dict[str, CandidateProbe]:
+                    bucket_cap_mb: float, *, steps: int = TIMED_STEPS, process_group: Any = None, seed: int = 0,
+                    steps_per_epoch: int = 0, probe: Optional[QualityProbe] = None,
+                    factors: Optional[Mapping[str, float]] = None) -> dict[str, CandidateProbe]:
     """Collective: each entry's iteration time on this network: ``steps`` timed steps per entry,
-    taken in turn, on a copy of ``model`` in ``DistributedDataParallel`` (:meth:`_ProbeCopy.time`):
+    taken in turn (with ``factors``, ``{entry: 1 + predicted extra steps}``, a race: at most ``steps``,
+    an entry clearly slower to quality than the best stops early, :meth:`_ProbeCopy.time`; the entries
+    on DDP's buckets and those on one bucket race separately), on a copy of ``model`` in
+    ``DistributedDataParallel`` (:meth:`_ProbeCopy.time`):
     the entries on DDP's buckets share one copy (``probe``'s, when given: no start steps, residuals
     warm), those gradsync runs on one bucket (:func:`~gradsync.profiler.advise.single_bucket`) another, each after
     :data:`START_STEPS` start steps. The median, MAX over ranks. ``model`` is not changed.
 
     Returns:
-        ``{entry: CandidateProbe}`` with ``iteration_s`` (seconds) and ``wire_bytes_per_step``
-        (bytes), identical on every rank.
+        ``{entry: CandidateProbe}`` with ``iteration_s`` (seconds; an entry dropped from a race: its
+        median when dropped) and ``wire_bytes_per_step`` (bytes), identical on every rank.
 
     Raises:
         ValueError: for an empty ``batches``, ``steps`` < 1 or an entry that is no communication hook.
@@ -357,11 +429,11 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
         if not group:
             continue
         if probe is not None and not one_bucket:
-            out.update(probe.time(group, steps))
+            out.update(probe.time(group, steps, factors))
             continue
         copy_ = _ProbeCopy(model, group, batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
                            steps_per_epoch, one_bucket=one_bucket)
-        out.update(copy_.time(group, steps))
+        out.update(copy_.time(group, steps, factors))
         copy_.close()
     return {e: out[e] for e in entries}
 
