@@ -179,7 +179,7 @@ def test_train_auto_measures_chooses_and_resumes_with_its_choice(tmp_path):
     assert [losses[k] for k in range(1, 7)] == [i["loss"] for i in first_losses]
 
 
-def _decide_at(rank, world, allreduce_times):
+def _decide_at(rank, world, allreduce_times, job_steps=None):
     import torch
     import torch.nn.functional as F
 
@@ -192,8 +192,8 @@ def _decide_at(rank, world, allreduce_times):
         g = torch.Generator().manual_seed(10 + rank)
         batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
         d = decide(PROFILE, allreduce_s, model, batches, F.cross_entropy,
-                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 0.005)
-        out.append((sorted(d.iterations), d.entry, sorted(d.phases)))
+                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 0.005, job_steps=job_steps)
+        out.append((sorted(d.iterations), d.entry, sorted(d.phases), sorted(d.errors), d.budget_s))
     return out
 
 
@@ -205,10 +205,27 @@ def test_ddp_is_timed_beside_the_short_list_only_where_it_is_a_contender():
     # CCR 50: DDP is far behind; its iteration stays simulated (no dense steps on a slow link)
     ranks = run_ranks(_decide_at, 2, [0.045, 1.5], timeout=180)
     assert ranks[0] == ranks[1], "every rank measures and chooses alike"
-    (near, _, near_phases), (far, _, far_phases) = ranks[0]
+    (near, _, near_phases, _, budget), (far, _, far_phases, _, _) = ranks[0]
+    assert budget is None  # the job's length not given: no budget
     assert "allreduce" in near and len(near) >= 2
     assert far and "allreduce" not in far
     assert near_phases == far_phases == ["quality", "timing"]
+
+
+def test_a_short_job_bounds_what_auto_measures_alike_on_every_rank():
+    """PROBE_SHARE of a 10-step job (about 20 ms) pays for no quality stage (9 steps of 42 ms compute): auto
+    chooses from the simulation and the casts' error; a million steps pay for all of it."""
+    from distributed import run_ranks
+    from gradsync.profiler.auto import PROBE_SHARE
+
+    short = run_ranks(_decide_at, 2, [0.045], 10, timeout=180)
+    assert short[0] == short[1]
+    timed, entry, phases, measured, budget = short[0][0]
+    assert budget == pytest.approx(PROBE_SHARE * 10 * 0.042, rel=0.2)
+    assert timed == [] and set(measured) <= {"fp16", "bf16"} and "timing" not in phases
+    assert entry in ("fp16", "bf16", "allreduce")
+    timed, _, phases, measured, budget = run_ranks(_decide_at, 2, [0.045], 10 ** 6, timeout=180)[0][0]
+    assert "allreduce" in timed and len(timed) >= 2 and "timing" in phases and len(measured) > 2 and budget > 1e3
 
 
 def _repetitions(rank, world, budget_s):
@@ -238,11 +255,18 @@ def test_the_ccr_budget_cuts_repetitions_alike_on_every_rank():
 
 def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_listed():
     """auto._next_stage: PowerSGD r=16 (half the candidates' bytes at a high CCR) waits for the cheaper
-    ranks' errors and is not metered where three cheaper measured hooks already beat its iteration."""
+    ranks' errors where metering it costs more than a stage's compute, and is not metered where three
+    cheaper measured hooks already beat its iteration; on a fast network it is metered with them."""
     from gradsync.profiler.auto import _next_stage, worth_measuring, NOT_PROBED
     from gradsync.profiler.advise import CASTS
 
-    slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)
+    fast_bw = effective_bandwidth_mbit(PROFILE, 2, 0.06)  # r=16's communication well below a step's compute
+    fast = advise(PROFILE, 2, fast_bw)
+    metered = [e for e in worth_measuring(fast, skip=NOT_PROBED) if e not in CASTS]
+    assert any(e.endswith("rank=16") for e in metered), metered
+    assert _next_stage(metered, {}, None, None, fast, PROFILE, 2, fast_bw, lambda e: True, 3) == metered
+
+    slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.60)
     simulated = advise(PROFILE, 2, slow_bw)
     metered = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if e not in CASTS]
     r16 = [e for e in metered if e.endswith("rank=16")]
@@ -254,3 +278,16 @@ def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_
     assert _next_stage(r16, {**casts, **low}, 0.5, "sgd", simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == []
     high = {e: 5.0 for e in first}  # every cheaper rank misses: r=16 is measured after all
     assert _next_stage(r16, {**casts, **high}, 0.5, "sgd", simulated, PROFILE, 2, slow_bw, lambda e: True, 3) == r16
+
+
+def test_the_short_list_times_one_of_two_settings_with_the_same_bytes_and_schedule():
+    """bf16 moves fp16's bytes on fp16's schedule: with both measured, only one is timed and the third
+    place goes to the next setting."""
+    from gradsync.profiler.auto import _short_list
+
+    bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)
+    r8, o8 = "powersgd:matrix_approximation_rank=8", "powersgd-overlap:matrix_approximation_rank=8"
+    errors = {"fp16": 0.0003, "bf16": 0.002, r8: 0.05, o8: 0.05}
+    ranked = advise(PROFILE, 2, bw, errors=errors, noise=0.5, family="sgd").predictions
+    short = _short_list(ranked, 3)
+    assert len(short) == 3 and len({"fp16", "bf16"} & set(short)) == 1 and {r8, o8} <= set(short)

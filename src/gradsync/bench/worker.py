@@ -143,12 +143,14 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
     if AUTO in cfg.algorithms:  # the choice from this run's profile, network and gradients (every rank the same)
         # what --algorithm auto does in a job (its own profile, dense all-reduce and probe), so that
-        # probe_seconds is what measuring costs a job on this network
+        # probe_seconds is what measuring costs a job on this network; the job is the --to-quality budget
         decision = resolve_auto(model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer,
-                                cfg.workload, cfg.batch_size, cfg.bucket_cap_mb, seed=cfg.seed)
+                                cfg.workload, cfg.batch_size, cfg.bucket_cap_mb, seed=cfg.seed,
+                                job_steps=budget_steps(cfg, train_x.shape[0], world))
         chosen[AUTO] = {"entry": decision.entry, "reason": decision.advice.reason,
                         "errors": decision.errors, "noise": decision.noise, "iterations_s": decision.iterations,
-                        "probe_seconds": decision.probe_seconds, "probe_phases_s": decision.phases}
+                        "probe_seconds": decision.probe_seconds, "probe_phases_s": decision.phases,
+                        "probe_budget_s": decision.budget_s, "timed_steps": decision.timed_steps}
         if rank == 0:
             print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took {decision.probe_seconds:.1f} s: "
                   f"{decision.describe_phases()})", flush=True)

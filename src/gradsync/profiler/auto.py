@@ -47,13 +47,14 @@ from ..comm.collectives import collective_device
 from ..options import AUTO
 from ..sim.profile import Profile
 from ..validation import check_int
-from .advise import CASTS, LOW_CCR, Advice, advise, is_hook, worth_measuring
+from .advise import CASTS, LOW_CCR, Advice, advise, candidates, is_hook, worth_measuring
 from .ccr import measure_ccr
-from .probe import QualityProbe, cast_errors, probe_batches, quality_proxy, time_candidates
+from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, REFERENCE_FRACTION, START_STEPS, TIMED_STEPS, QualityProbe,
+                    cast_errors, probe_batches, quality_proxy, time_candidates)
 from .profile import ccr_at, record_profile
 from .quality_model import unwrap_optimizer
 
-__all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "SHORTLIST", "AutoDecision", "agreed_profile", "decide",
+__all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "PROBE_SHARE", "SHORTLIST", "AutoDecision", "agreed_profile", "decide",
            "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
@@ -91,6 +92,12 @@ SHORTLIST = 3
 #: choice does not hinge on them). Without it, on the ResNet-8 at 40 Mbit/s (CCR 1.3) the candidates'
 #: probe timings (fp16 111.7 ms) met DDP's simulated 105 ms and auto kept DDP, 24 % behind PowerSGD r=8.
 DDP_CONTENDER = 2.0
+#: Share of the job's predicted time auto may spend measuring where the job's length is known (``job_steps``):
+#: the job's time is predicted as its steps x the least simulated iteration of the allowed settings (its
+#: shortest conceivable length), and each quality stage and the timing race are cut to what the rest of the
+#: budget is predicted to pay for (:func:`decide`). On a job of hours it never binds; on a 468-step MLP-Mixer at 4
+#: hosts the probe was 9-30 s of a 54-230 s job, more than the gains it was measuring.
+PROBE_SHARE = 0.05
 #: Seconds of timed dense all-reduces auto's CCR measurement may spend after its warm-up (at least one
 #: repetition): on 2 hosts at 5 Mbit/s one dense all-reduce of a 0.16 M-parameter model takes ~1 s.
 CCR_BUDGET_S = 2.0
@@ -109,7 +116,9 @@ class AutoDecision:
     ``probe_seconds``, the wall-clock cost of those measurements on this rank, ``phases``, that
     cost by step of the module docstring (seconds: ``profile``, ``ccr``, ``quality``, ``timing``; a
     step not taken is absent), and the gradient ``noise`` and optimizer ``family`` the errors were judged
-    against (None where no lossy setting was metered)."""
+    against (None where no lossy setting was metered), and ``timed_steps`` (``{entry: steps}``, fewer for
+    an entry the timing race dropped), and the probe's ``budget_s`` (seconds, :data:`PROBE_SHARE` of the job's
+    predicted time; None where the job's length is not known)."""
 
     entry: str
     advice: Advice
@@ -119,24 +128,31 @@ class AutoDecision:
     phases: dict = dataclasses.field(default_factory=dict)
     noise: float | None = None
     family: str | None = None
+    timed_steps: dict = dataclasses.field(default_factory=dict)
+    budget_s: float | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-ready figures for metrics.json."""
         return {"auto_choice": self.entry, "auto_reason": self.advice.reason, "auto_ccr": self.advice.ccr,
                 "auto_errors": self.errors, "auto_noise": self.noise,
                 "auto_optimizer_family": self.family, "auto_iterations_s": self.iterations,
+                "auto_timed_steps": self.timed_steps, "auto_probe_budget_s": self.budget_s,
                 "auto_probe_seconds": self.probe_seconds, "auto_probe_phases_s": self.phases}
 
     def describe_phases(self) -> str:
-        """``"profile 0.4 s, ccr 2.1 s, quality 3.0 s, timing 1.9 s"``: :attr:`phases` for a log line."""
-        return ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+        """``"profile 0.4 s, ccr 2.1 s, quality 3.0 s, timing 1.9 s"``: :attr:`phases` for a log line, and the
+        budget where there was one (``"; budget 4.2 s"``)."""
+        text = ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items())
+        return text if self.budget_s is None else f"{text}; budget {self.budget_s:.1f} s"
 
 
 def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, family: str | None, simulated: Advice,
                 prof: Profile, world: int, bandwidth: float, allowed: Callable[[str], bool],
                 shortlist: int) -> list[str]:
     """The ``pending`` entries to measure next: those that could still enter the short-list, but the
-    costliest of them, which waits for the others' errors. An entry's predicted time to quality is at
+    costliest of them waits for the others' errors where metering it costs more than a stage of its own
+    (its simulated communication per step, iteration minus compute, above one step's compute: on a slow
+    network; on a fast one a second stage's forward and backward passes cost more than its bytes). An entry's predicted time to quality is at
     least its simulated iteration (no extra steps), so one at or above the ``shortlist``-th best
     predicted time to quality of the measured hooks cannot be short-listed. The errors do not depend on
     what is measured together (:meth:`QualityProbe.measure`), so the short-list is the one measuring
@@ -153,15 +169,33 @@ def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, famil
     for e in pending:
         if iteration[e] < bound:
             lowest[quality_proxy(e)] = min(lowest.get(quality_proxy(e), math.inf), iteration[e])
-    if len(lowest) > 1:
-        del lowest[max(lowest, key=lambda p: (lowest[p], p))]
+    compute = prof.forward_s + prof.backward_s + prof.optimizer_s
+    costliest = max(lowest, key=lambda p: (lowest[p], p), default=None)
+    if len(lowest) > 1 and lowest[costliest] - compute > compute:
+        del lowest[costliest]
     return [e for e in pending if quality_proxy(e) in lowest]
+
+
+def _short_list(ranked: Sequence, shortlist: int) -> list[str]:
+    """The first ``shortlist`` measured hooks of ``ranked`` (least predicted time to quality first) that
+    could reach the target, but one whose simulator plan (bytes and schedule) equals an earlier one's:
+    bf16 after fp16 moves the same bytes at no less error, so timing it cannot change the choice."""
+    plans = {e: (type(plan), vars(plan)) for e, _, plan in candidates()}
+    short: list[str] = []
+    for r in ranked:
+        if len(short) == shortlist:
+            break
+        if (r.entry != "allreduce" and r.measured and is_hook(r.entry) and math.isfinite(r.time_to_quality_s)
+                and not any(r.entry in plans and plans.get(s) == plans[r.entry] for s in short)):
+            short.append(r.entry)
+    return short
 
 
 def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
            batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, make_optimizer: Callable,
            bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
-           group: Any = None, seed: int = 0, shortlist: int = SHORTLIST) -> AutoDecision:
+           group: Any = None, seed: int = 0, shortlist: int = SHORTLIST, job_steps: int | None = None,
+           spent_s: float = 0.0) -> AutoDecision:
     """Collective: steps 2-4 of the module docstring, given the agreed profile ``prof`` and dense
     all-reduce time ``allreduce_s`` (seconds; :func:`agreed_profile`).
 
@@ -170,19 +204,34 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         batches: this rank's probe batches (:func:`probe_batches`).
         allowed: which ``--algorithms`` entries may be chosen.
         shortlist: candidates timed on the network besides DDP (>= 1).
+        job_steps: the job's optimizer steps, or None (unknown: no budget). Known, the probe spends at
+            most :data:`PROBE_SHARE` of the job's predicted time, ``spent_s`` (seconds already spent on
+            measuring, the same on every rank) included: a quality stage is measured only with the
+            entries whose predicted cost (:func:`_stage_seconds`) fits, costliest dropped first, and the
+            race times at most the rounds the rest pays for (simulated iterations), none if not one.
 
     Raises:
-        ValueError: for ``allreduce_s`` <= 0, a world size < 2 or ``shortlist`` < 1.
+        ValueError: for ``allreduce_s`` <= 0, a world size < 2, ``shortlist`` < 1 or ``job_steps`` < 1.
     """
     shortlist = check_int("shortlist", shortlist, 1, 100)
+    if job_steps is not None:
+        job_steps = check_int("job_steps", job_steps, 1, 10 ** 12)
     world = dist.get_world_size(group)
     t0 = time.perf_counter()
     bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
     simulated = advise(prof, world, bandwidth, allowed=allowed)
+    sim_iteration = {r.entry: r.iteration_s for r in simulated.predictions}
+    budget = math.inf if job_steps is None else PROBE_SHARE * job_steps * min(
+        r.iteration_s for r in simulated.predictions if allowed(r.entry) or r.entry == "allreduce")
+
+    def left() -> float:  # seconds of the budget left, agreed (the ranks' clocks differ)
+        return budget - _agreed_seconds(spent_s + time.perf_counter() - t0, group) if job_steps else math.inf
+
     errors: dict[str, float] = {}
     noise: float | None = None
     family: str | None = None
     iterations: dict[str, float] = {}
+    timed_steps: dict[str, int] = {}
     phases: dict[str, float] = {}
     if simulated.ccr >= LOW_CCR:
         worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if allowed(e)]
@@ -191,8 +240,16 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
         probe = None
-        while stage := _next_stage([e for e in metered if e not in errors], errors, noise, family, simulated, prof,
-                                   world, bandwidth, allowed, shortlist):
+        unaffordable: set[str] = set()
+        while stage := _next_stage([e for e in metered if e not in errors and e not in unaffordable], errors, noise,
+                                   family, simulated, prof, world, bandwidth, allowed, shortlist):
+            room = left()
+            while stage and _stage_seconds(stage, sim_iteration, prof, probe is None) > room:
+                costliest = max(stage, key=lambda e: (sim_iteration[e], e))
+                unaffordable.update(e for e in stage if quality_proxy(e) == quality_proxy(costliest))
+                stage = [e for e in stage if e not in unaffordable]
+            if not stage:
+                continue
             if probe is None:
                 probe = QualityProbe(model, batches, loss_fn, make_optimizer, stage, bucket_cap_mb,
                                      process_group=group, seed=seed)
@@ -201,18 +258,25 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         phases["quality"] = time.perf_counter() - t0
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise,
                         family=family).predictions
-        short = [r.entry for r in ranked if r.entry != "allreduce" and r.measured and is_hook(r.entry)
-                 and math.isfinite(r.time_to_quality_s)][:shortlist]
+        short = _short_list(ranked, shortlist)
         ddp = next(r for r in ranked if r.entry == "allreduce")
         if short and ddp.time_to_quality_s <= DDP_CONTENDER * min(r.time_to_quality_s for r in ranked
                                                                   if r.entry in short):
             short.append("allreduce")  # a contender: timed beside the others, on the same copy
+        rounds = TIMED_STEPS
+        if short and job_steps:
+            room = left()
+            while short and room < sum(sim_iteration[e] for e in short):
+                short.remove(max(short, key=lambda e: (sim_iteration[e], e)))  # the slowest first
+            rounds = min(TIMED_STEPS, int(room / sum(sim_iteration[e] for e in short))) if short else 0
         if short:
             t1 = time.perf_counter()
             factor = {r.entry: r.time_to_quality_s / r.iteration_s for r in ranked if r.entry in short}
-            timed = time_candidates(model, batches, loss_fn, make_optimizer, short, bucket_cap_mb,
-                                    process_group=group, seed=seed, probe=probe, factors=factor)
+            timed = time_candidates(model, batches, loss_fn, make_optimizer, short, bucket_cap_mb, steps=rounds,
+                                    process_group=group, seed=seed, probe=probe, factors=factor,
+                                    min_steps=min(RACE_MIN_STEPS, rounds))
             iterations = {e: p.iteration_s for e, p in timed.items()}
+            timed_steps = {e: p.timed_steps for e, p in timed.items()}
             phases["timing"] = time.perf_counter() - t1
         if probe is not None:
             probe.close()
@@ -223,14 +287,34 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     else:
         advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise, family=family,
                         probe_seconds=spent)
-    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family)
+    return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family, timed_steps,
+                        None if job_steps is None else budget)
+
+
+def _agreed_seconds(seconds: float, group: Any) -> float:
+    """Collective: the MAX of ``seconds`` over the ranks (one all-reduce)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _stage_seconds(stage: Sequence[str], sim_iteration: dict, prof: Profile, first: bool) -> float:
+    """Predicted seconds of a quality stage (:meth:`QualityProbe.measure`): its :data:`QUALITY_STEPS` metered
+    steps (and the probe copy's :data:`START_STEPS` for the ``first``), each a forward, a backward and the
+    stage's collectives: every measured proxy's simulated communication (iteration minus compute) and
+    the reference's (:data:`REFERENCE_FRACTION` of DDP's)."""
+    compute = prof.forward_s + prof.backward_s + prof.optimizer_s
+    comm = {quality_proxy(e): max(0.0, sim_iteration[e] - compute) for e in stage}
+    reference = REFERENCE_FRACTION * max(0.0, sim_iteration["allreduce"] - compute)
+    steps = QUALITY_STEPS + (START_STEPS if first else 0)
+    return steps * (compute + sum(comm.values()) + reference)
 
 
 def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  make_optimizer: Callable[[Any], torch.optim.Optimizer], workload: str,
                  batch_size: int, bucket_cap_mb: float, allowed: Callable[[str], bool] = lambda entry: True,
-                 group: Any = None, seed: int = 0) -> AutoDecision:
+                 group: Any = None, seed: int = 0, job_steps: int | None = None) -> AutoDecision:
     """Collective (every rank, same arguments but its own batches): measure and choose (the module
     docstring's steps 1-4).
 
@@ -241,6 +325,9 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
         workload, batch_size, bucket_cap_mb: the profile's labels and DDP's bucket size (MB).
         allowed: which ``--algorithms`` entries may be chosen.
         seed: the job's seed (PowerSGD's initial factors in the probes).
+        job_steps: the job's optimizer steps where known: measuring then spends at most
+            :data:`PROBE_SHARE` of its predicted time, the profile and the CCR measurement included
+            (:func:`decide`); None: no budget.
 
     Returns:
         :class:`AutoDecision`: ``entry`` is the chosen ``gradsync bench --algorithms`` entry (e.g.
@@ -263,7 +350,7 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
     t2 = time.perf_counter()
     decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, bucket_cap_mb,
-                      allowed=allowed, group=group, seed=seed)
+                      allowed=allowed, group=group, seed=seed, job_steps=job_steps, spent_s=t2 - t0)
     phases = {"profile": t1 - t0, "ccr": t2 - t1, **decision.phases}
     return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0, phases=phases)
 

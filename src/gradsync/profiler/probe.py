@@ -403,10 +403,11 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                     bucket_cap_mb: float, *, steps: int = TIMED_STEPS, process_group: Any = None, seed: int = 0,
                     steps_per_epoch: int = 0, probe: Optional[QualityProbe] = None,
-                    factors: Optional[Mapping[str, float]] = None) -> dict[str, CandidateProbe]:
+                    factors: Optional[Mapping[str, float]] = None,
+                    min_steps: int = RACE_MIN_STEPS) -> dict[str, CandidateProbe]:
     """Collective: each entry's iteration time on this network: ``steps`` timed steps per entry,
     taken in turn (with ``factors``, ``{entry: 1 + predicted extra steps}``, a race: at most ``steps``,
-    an entry clearly slower to quality than the best stops early, :meth:`_ProbeCopy.time`; the entries
+    at least ``min_steps``, an entry clearly slower to quality than the best stops early, :meth:`_ProbeCopy.time`; the entries
     on DDP's buckets and those on one bucket race separately), on a copy of ``model`` in
     ``DistributedDataParallel`` (:meth:`_ProbeCopy.time`):
     the entries on DDP's buckets share one copy (``probe``'s, when given: no start steps, residuals
@@ -429,11 +430,11 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
         if not group:
             continue
         if probe is not None and not one_bucket:
-            out.update(probe.time(group, steps, factors))
+            out.update(probe.time(group, steps, factors, min_steps))
             continue
         copy_ = _ProbeCopy(model, group, batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
                            steps_per_epoch, one_bucket=one_bucket)
-        out.update(copy_.time(group, steps, factors))
+        out.update(copy_.time(group, steps, factors, min_steps))
         copy_.close()
     return {e: out[e] for e in entries}
 

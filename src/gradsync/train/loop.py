@@ -35,11 +35,12 @@ from .evaluate import evaluate
 
 def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
                   workload: Any, loss_fn: Callable, make_optimizer: Callable, bucket_cap_mb: float, rank: int,
-                  world: int, device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
+                  world: int, device: torch.device, job_steps: int) -> tuple[TrainConfig, dict[str, Any]]:
     """``cfg`` with ``--algorithm auto`` replaced by the setting auto chose, and the figures for the
     summary (collective). A resumed run takes the choice its checkpoint recorded (measuring again could
     choose another setting, whose state the checkpoint does not hold); a run without a checkpoint to
-    resume measures and chooses (:func:`~gradsync.profiler.auto.resolve_auto`)."""
+    resume measures and chooses (:func:`~gradsync.profiler.auto.resolve_auto`) within a share of the
+    run's ``job_steps`` steps."""
     if cfg.resume:
         path = resolve_resume(cfg.resume, cfg.checkpoint, rank, world)
         if path is not None:
@@ -53,7 +54,7 @@ def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tenso
                           augment=lambda t: workload.augment(t.to(device)))
     probe = [(x, y.to(device)) for x, y in probe]
     decision = resolve_auto(model, probe, loss_fn, make_optimizer, cfg.workload,
-                            cfg.batch_size, bucket_cap_mb, seed=cfg.seed)
+                            cfg.batch_size, bucket_cap_mb, seed=cfg.seed, job_steps=job_steps)
     if rank == 0:
         print(f"auto: {decision.entry}: {decision.advice.reason} (measuring took "
               f"{decision.probe_seconds:.1f} s: {decision.describe_phases()})", flush=True)
@@ -153,7 +154,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     requested, auto = cfg.algorithm, None
     if cfg.algorithm == AUTO:
         cfg, auto = _resolve_auto(cfg, model, train_x, train_y, workload, loss_fn, make_optimizer, bucket_cap_mb,
-                                  rank, world, device)
+                                  rank, world, device, total_steps)
     algorithm, options = cfg.algorithm, cfg.options
     dp = build(algorithm, ctx, options)
     opt = dp.optimizer
