@@ -125,12 +125,14 @@ def test_workload_with_model_and_defaults():
     assert vit.describe()["parameters"] == 139_018 and gru.describe()["parameters"] == 161_034
     mixer = get_workload("fashion-mnist", "mixer")
     assert mixer.optimizer == "adamw" and mixer.defaults == vit.defaults and mixer.describe()["parameters"] == 94_734
-    for m in (vit.make_model(), gru.make_model(), mixer.make_model()):
+    mlp = get_workload("fashion-mnist", "mlp")
+    assert mlp.optimizer == "sgd" and mlp.defaults == base.defaults and mlp.describe()["parameters"] == 669_706
+    for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
-    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, gru, mixer, resnet18"):
+    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, gru, mixer, mlp, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

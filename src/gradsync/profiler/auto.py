@@ -93,10 +93,12 @@ SHORTLIST = 3
 #: probe timings (fp16 111.7 ms) met DDP's simulated 105 ms and auto kept DDP, 24 % behind PowerSGD r=8.
 DDP_CONTENDER = 2.0
 #: Share of the job's predicted time auto may spend measuring where the job's length is known (``job_steps``):
-#: the job's time is predicted as its steps x the least simulated iteration of the allowed settings (its
-#: shortest conceivable length), and each quality stage and the timing race are cut to what the rest of the
-#: budget is predicted to pay for (:func:`decide`). On a job of hours it never binds; on a 468-step MLP-Mixer at 4
-#: hosts the probe was 9-30 s of a 54-230 s job, more than the gains it was measuring.
+#: the job's time is predicted as it would run without lossy compression (its steps x the least simulated
+#: iteration of DDP and the allowed 16-bit casts, which need no quality measurement), and each quality stage and
+#: the timing race are cut to what the rest of the budget is predicted to pay for (:func:`decide`). On a job of
+#: hours it never binds; on a 468-step MLP-Mixer at 4 hosts the probe was 9-30 s of a 54-230 s job. (The least
+#: simulated iteration of every setting instead, PowerSGD r=1's, left the Mixer's 2-host job at 5 Mbit/s a 3.7 s
+#: budget: no PowerSGD rank was measured and fp16 ran it at 2.2x the best setting's time.)
 PROBE_SHARE = 0.05
 #: Seconds of timed dense all-reduces auto's CCR measurement may spend after its warm-up (at least one
 #: repetition): on 2 hosts at 5 Mbit/s one dense all-reduce of a 0.16 M-parameter model takes ~1 s.
@@ -222,7 +224,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     simulated = advise(prof, world, bandwidth, allowed=allowed)
     sim_iteration = {r.entry: r.iteration_s for r in simulated.predictions}
     budget = math.inf if job_steps is None else PROBE_SHARE * job_steps * min(
-        r.iteration_s for r in simulated.predictions if allowed(r.entry) or r.entry == "allreduce")
+        r.iteration_s for r in simulated.predictions if r.entry == "allreduce" or (r.entry in CASTS and allowed(r.entry)))
 
     def left() -> float:  # seconds of the budget left, agreed (the ranks' clocks differ)
         return budget - _agreed_seconds(spent_s + time.perf_counter() - t0, group) if job_steps else math.inf

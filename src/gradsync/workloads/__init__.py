@@ -32,6 +32,7 @@ from .resnet import ResNetFMNIST
 from .rnn import RowGRU
 from .vit import TinyViT
 from .mixer import TinyMixer
+from .mlp import MLP
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -293,10 +294,11 @@ def _vision_choices() -> tuple[str, ...]:
 # reading the rows (gradsync.workloads.rnn, the recipe's SGD): model families no accuracy row or rule of
 # gradsync was tuned on (the out-of-sample tests of --algorithm auto). An MLP-Mixer of 95k parameters
 # (gradsync.workloads.mixer), AdamW as the ViT: added after the ViT's rows entered the quality model's fit, as its
-# next out-of-sample family.
+# next out-of-sample family. A plain MLP of 670k parameters (gradsync.workloads.mlp), the recipe's SGD: added
+# after the probe's budget and timing race were frozen (eighth session), their out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
-                                                      "mixer": lambda: TinyMixer()}
+                                                      "mixer": lambda: TinyMixer(), "mlp": lambda: MLP()}
 
 
 _KJV_VOCAB_SIZE = 73
