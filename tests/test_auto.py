@@ -291,3 +291,11 @@ def test_the_short_list_times_one_of_two_settings_with_the_same_bytes_and_schedu
     ranked = advise(PROFILE, 2, bw, errors=errors, noise=0.5, family="sgd").predictions
     short = _short_list(ranked, 3)
     assert len(short) == 3 and len({"fp16", "bf16"} & set(short)) == 1 and {r8, o8} <= set(short)
+
+
+def test_a_frameworks_step_count_is_a_budget_only_when_finite_and_positive():
+    from gradsync.integrations.auto import known_steps
+
+    assert known_steps(468) == 468 and known_steps(468.0) == 468
+    assert known_steps(float("inf")) is None and known_steps(-1) is None and known_steps(0) is None
+    assert known_steps(None) is None and known_steps("many") is None

@@ -64,7 +64,7 @@ from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choo
                    recorded_auto_entry)
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
-AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume")
+AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume", "job_steps")
 
 
 def register_hook(model: Any, algorithm: str = "covap", process_group: dist.ProcessGroup | None = None,
@@ -95,6 +95,8 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
             * ``resume`` (optional): the folder ``accelerator.load_state`` will read; the choice it
               recorded is taken and nothing is measured (``optimizer``, ``batches`` and ``loss_fn`` are
               then not needed).
+            * ``job_steps`` (optional): the loop's optimizer steps; given, measuring spends at most
+              :data:`gradsync.profiler.auto.PROBE_SHARE` of the job's predicted time.
 
     Returns:
         The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,
@@ -156,7 +158,8 @@ def _register_auto(ddp: Any, process_group: dist.ProcessGroup | None, options: d
         choice = AutoChoice(entry, None, str(source))
     else:
         choice = choose_auto(ddp.module, list(options["batches"]), options["loss_fn"], options["optimizer"],
-                             ddp.bucket_bytes_cap / 2 ** 20, process_group=process_group, workload="accelerate")
+                             ddp.bucket_bytes_cap / 2 ** 20, process_group=process_group, workload="accelerate",
+                             job_steps=options.get("job_steps"))
     announce_auto(choice)
     state, hook = build_auto(choice, process_group=process_group, model=ddp.module)
     ddp.register_comm_hook(state, hook)

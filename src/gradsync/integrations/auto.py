@@ -10,6 +10,7 @@ returns the loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, Callable, Sequence
 
@@ -56,6 +57,17 @@ def entry_of(choice: AutoChoice | None) -> str | None:
     :func:`~gradsync.integrations.gather_hook_state` and :func:`~gradsync.integrations.load_hook_state`
     take."""
     return None if choice is None else choice.entry
+
+
+def known_steps(steps: Any) -> int | None:
+    """A framework's count of the fit's optimizer steps as ``job_steps`` for :func:`choose_auto`: the
+    integer for a finite count >= 1, None for anything else (Lightning's ``inf`` for an unbounded fit,
+    the HF Trainer's ``-1`` or 0 before it knows)."""
+    try:
+        value = float(steps)
+    except (TypeError, ValueError):
+        return None
+    return int(value) if math.isfinite(value) and value >= 1 else None
 
 
 def check_auto_options(options: Mapping[str, Any]) -> None:
@@ -152,7 +164,8 @@ class preserved_rng:
 
 def choose_auto(model: torch.nn.Module, batches: Sequence[tuple[Any, Any]], loss_fn: Callable[[Any, Any], torch.Tensor],
                 optimizer: Any, bucket_cap_mb: float, process_group: dist.ProcessGroup | None = None,
-                batch_size: int | None = None, workload: str = "integration", seed: int = 0) -> AutoChoice:
+                batch_size: int | None = None, workload: str = "integration", seed: int = 0,
+                job_steps: int | None = None) -> AutoChoice:
     """Collective (every rank, its own batches): measure on the job and choose
     (:func:`gradsync.profiler.auto.resolve_auto`), among the hooks that work on any DDP bucket layout
     (``allowed=lambda e: is_hook(e, any_buckets=True)``, as :func:`gradsync.register_auto`: the
@@ -171,6 +184,8 @@ def choose_auto(model: torch.nn.Module, batches: Sequence[tuple[Any, Any]], loss
         batch_size: the profile's batch-size label (default: ``inputs``' leading dimension).
         workload: the profile's workload label.
         seed: PowerSGD's initial factors in the probes.
+        job_steps: the fit's optimizer steps where the framework knows them: measuring then spends at
+            most :data:`gradsync.profiler.auto.PROBE_SHARE` of the job's predicted time; None: no budget.
 
     Returns:
         :class:`AutoChoice` with ``decision`` set.
@@ -190,21 +205,23 @@ def choose_auto(model: torch.nn.Module, batches: Sequence[tuple[Any, Any]], loss
     device = next((p.device for p in model.parameters()), None)
     with preserved_rng(device):
         decision = resolve_auto(model, batches, loss_fn, make_optimizer, workload, batch_size, bucket_cap_mb,
-                                allowed=lambda e: is_hook(e, any_buckets=True), group=process_group, seed=seed)
+                                allowed=lambda e: is_hook(e, any_buckets=True), group=process_group, seed=seed,
+                                job_steps=job_steps)
     return AutoChoice(decision.entry, decision)
 
 
 def choose_auto_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                            loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any,
                            bucket_cap_mb: float, process_group: dist.ProcessGroup | None = None,
-                           workload: str = "integration") -> AutoChoice:
+                           workload: str = "integration", job_steps: int | None = None) -> AutoChoice:
     """:func:`choose_auto` on a framework's own batches (dicts, lists, ...): ``module`` is measured as a
     :class:`BatchLoss` with ``loss(module_copy, batch, index) -> 0-d tensor``; the batch-size label is
     the first batch's leading dimension (:func:`batch_size_of`)."""
     if not batches:
         raise ValueError("algorithm 'auto' needs at least one training batch of this rank to measure on")
     return choose_auto(BatchLoss(module, loss), BatchLoss.batches(batches), _output_loss, optimizer, bucket_cap_mb,
-                       process_group=process_group, batch_size=batch_size_of(batches[0]), workload=workload)
+                       process_group=process_group, batch_size=batch_size_of(batches[0]), workload=workload,
+                       job_steps=job_steps)
 
 
 def recorded_auto_entry(payload: Any) -> tuple[str | None, str | None]:

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, preserved_rng, recorded_auto_entry)
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, preserved_rng, recorded_auto_entry)
 
 
 class GradsyncHook(Callback):
@@ -153,7 +153,8 @@ class GradsyncHook(Callback):
                 warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
                 self.auto = choose_auto_on_batches(
                     pl_module, _first_batches(trainer), _training_step_loss, trainer.optimizers[0],
-                    self._ddp.bucket_bytes_cap / 2 ** 20, process_group=self.process_group, workload="lightning")
+                    self._ddp.bucket_bytes_cap / 2 ** 20, process_group=self.process_group, workload="lightning",
+                    job_steps=known_steps(trainer.estimated_stepping_batches))
         announce_auto(self.auto)
         self.state, self._hook = build_auto(self.auto, process_group=self.process_group, model=pl_module)
         self._ddp.register_comm_hook(self.state, self._hook)

@@ -18,7 +18,7 @@ from ..extras import require
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, preserved_rng, recorded_auto_entry, to_device)
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, preserved_rng, recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
@@ -139,7 +139,8 @@ class GradsyncCallback(TrainerCallback):
             with preserved_rng(device):
                 batches = _first_batches(train_dataloader, device)
                 self.auto = choose_auto_on_batches(self._model, batches, _model_loss, optimizer, bucket_cap_mb,
-                                                   process_group=self.process_group, workload="transformers")
+                                                   process_group=self.process_group, workload="transformers",
+                                                   job_steps=known_steps(state.max_steps))
         announce_auto(self.auto)
         self.state, self._hook = build_auto(self.auto, process_group=self.process_group, model=self._model)
 

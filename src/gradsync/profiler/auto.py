@@ -210,7 +210,9 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
             most :data:`PROBE_SHARE` of the job's predicted time, ``spent_s`` (seconds already spent on
             measuring, the same on every rank) included: a quality stage is measured only with the
             entries whose predicted cost (:func:`_stage_seconds`) fits, costliest dropped first, and the
-            race times at most the rounds the rest pays for (simulated iterations), none if not one.
+            race times the candidates the rest pays :data:`~gradsync.profiler.probe.RACE_MIN_STEPS`
+            rounds for (simulated iterations; the least promising dropped first: a median of fewer
+            steps decides by noise), up to the rounds it pays for; without one, the choice is simulated.
 
     Raises:
         ValueError: for ``allreduce_s`` <= 0, a world size < 2, ``shortlist`` < 1 or ``job_steps`` < 1.
@@ -247,8 +249,8 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
                                    family, simulated, prof, world, bandwidth, allowed, shortlist):
             room = left()
             while stage and _stage_seconds(stage, sim_iteration, prof, probe is None) > room:
-                costliest = max(stage, key=lambda e: (sim_iteration[e], e))
-                unaffordable.update(e for e in stage if quality_proxy(e) == quality_proxy(costliest))
+                costliest = max((quality_proxy(e) for e in stage), key=lambda p: (sim_iteration.get(p, 0.0), p))
+                unaffordable.update(e for e in stage if quality_proxy(e) == costliest)
                 stage = [e for e in stage if e not in unaffordable]
             if not stage:
                 continue
@@ -268,8 +270,9 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         rounds = TIMED_STEPS
         if short and job_steps:
             room = left()
-            while short and room < sum(sim_iteration[e] for e in short):
-                short.remove(max(short, key=lambda e: (sim_iteration[e], e)))  # the slowest first
+            predicted = {r.entry: r.time_to_quality_s for r in ranked}
+            while short and room < RACE_MIN_STEPS * sum(sim_iteration[e] for e in short):
+                short.remove(max(short, key=lambda e: (predicted[e], e)))  # the least promising first
             rounds = min(TIMED_STEPS, int(room / sum(sim_iteration[e] for e in short))) if short else 0
         if short:
             t1 = time.perf_counter()
@@ -303,10 +306,11 @@ def _agreed_seconds(seconds: float, group: Any) -> float:
 def _stage_seconds(stage: Sequence[str], sim_iteration: dict, prof: Profile, first: bool) -> float:
     """Predicted seconds of a quality stage (:meth:`QualityProbe.measure`): its :data:`QUALITY_STEPS` metered
     steps (and the probe copy's :data:`START_STEPS` for the ``first``), each a forward, a backward and the
-    stage's collectives: every measured proxy's simulated communication (iteration minus compute) and
-    the reference's (:data:`REFERENCE_FRACTION` of DDP's)."""
+    stage's collectives: every measured proxy's simulated communication (iteration minus compute; the
+    proxy's, which the meter runs: torch's PowerSGD is measured as the overlapped one) and the
+    reference's (:data:`REFERENCE_FRACTION` of DDP's)."""
     compute = prof.forward_s + prof.backward_s + prof.optimizer_s
-    comm = {quality_proxy(e): max(0.0, sim_iteration[e] - compute) for e in stage}
+    comm = {quality_proxy(e): max(0.0, sim_iteration.get(quality_proxy(e), sim_iteration[e]) - compute) for e in stage}
     reference = REFERENCE_FRACTION * max(0.0, sim_iteration["allreduce"] - compute)
     steps = QUALITY_STEPS + (START_STEPS if first else 0)
     return steps * (compute + sum(comm.values()) + reference)
@@ -382,7 +386,8 @@ def optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
 
 
 def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[Any, AutoDecision]:
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  job_steps: int | None = None) -> tuple[Any, AutoDecision]:
     """Collective: ``--algorithm auto`` for a script's own ``DistributedDataParallel``: measure on copies
     of ``ddp.module`` (:func:`resolve_auto`), then register the chosen communication hook on ``ddp``.
     Call it on every rank after building ``ddp`` and ``optimizer`` and before training::
@@ -398,6 +403,8 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
         batches: this rank's ``(inputs, targets)`` batches on the model's device, different on every
             rank as in training (8 are measured: :data:`~gradsync.profiler.probe.QUALITY_STEPS`).
         loss_fn: ``loss_fn(ddp(inputs), targets) -> 0-d tensor``.
+        job_steps: the script's optimizer steps, where known: measuring then spends at most
+            :data:`PROBE_SHARE` of the job's predicted time (:func:`decide`); None: no budget.
 
     Returns:
         ``(state, decision)``: the registered hook's state (``stats()``, ``state_dict()`` for
@@ -418,7 +425,8 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
     bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
     decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, "script",
                             int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb,
-                            allowed=lambda e: is_hook(e, any_buckets=True), group=ddp.process_group)
+                            allowed=lambda e: is_hook(e, any_buckets=True), group=ddp.process_group,
+                            job_steps=job_steps)
     name, options = parse_entry(decision.entry)
     state, hook = build_hook(name, process_group=ddp.process_group, model=ddp.module, **options)
     ddp.register_comm_hook(state, hook)

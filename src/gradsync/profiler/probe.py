@@ -174,11 +174,12 @@ def race(scores: Mapping[str, float], spreads: Mapping[str, float], z: float = R
             (1 + extra steps)).
         spreads: ``{entry: relative standard error of its median}`` (dimensionless).
 
-    An entry survives while the lower end of its interval ``score x (1 +/- z x spread)`` is at most the
-    upper end of the best entry's; the race is settled when one survives or every survivor's interval
+    An entry survives while the lower end of its interval ``[score / (1 + z x spread), score x (1 + z x
+    spread)]`` (symmetric in the logarithm: a time stays positive) is at most the upper end of the best
+    entry's; the race is settled when one survives or every survivor's interval
     lies within ``tie`` of every other's (more steps would choose between settings at most ``tie``
     apart)."""
-    lo = {e: s * (1 - z * spreads[e]) for e, s in scores.items()}
+    lo = {e: s / (1 + z * spreads[e]) for e, s in scores.items()}
     hi = {e: s * (1 + z * spreads[e]) for e, s in scores.items()}
     best = min(scores, key=lambda e: (scores[e], e))
     live = [e for e in scores if lo[e] <= hi[best]]
