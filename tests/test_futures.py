@@ -72,10 +72,16 @@ def _run(tmp_path: Path, mode: str, scenario: str) -> subprocess.CompletedProces
 def test_a_callback_the_worker_thread_still_holds_at_exit_does_not_abort_the_rank(tmp_path, scenario):
     if scenario == "running":
         # the scenario is real: with torch's own then() the rank is lost after the script's last line (the
-        # "release" one lost it in 14 of 15 runs, so it is not asserted: a fast exit can outrun the worker)
-        plain = _run(tmp_path, "torch", scenario)
-        assert "END OF SCRIPT" in plain.stdout, plain.stderr
-        assert plain.returncode != 0, "torch's Future.then no longer aborts here: the race is gone upstream"
+        # "release" one lost it in 14 of 15 runs, so it is not asserted: a fast exit can outrun the worker).
+        # It needs the script to end while the callback runs: on a loaded machine the main thread can take
+        # longer than the callback's 300 ms to get there (seen with a benchmark beside the suite), which
+        # voids that run; up to 3 runs are made for one where the callback outlives the script
+        for _ in range(3):
+            plain = _run(tmp_path, "torch", scenario)
+            assert "END OF SCRIPT" in plain.stdout, plain.stderr
+            if plain.stdout.startswith("END OF SCRIPT"):
+                assert plain.returncode != 0, "torch's Future.then no longer aborts here: the race is gone upstream"
+                break
     ours = _run(tmp_path, "gradsync", scenario)
     assert ours.returncode == 0, ours.stdout + ours.stderr
     assert "END OF SCRIPT" in ours.stdout
