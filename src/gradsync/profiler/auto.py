@@ -97,8 +97,8 @@ DDP_CONTENDER = 2.0
 #: iteration of DDP and the allowed 16-bit casts, which need no quality measurement), and each quality stage and
 #: the timing race are cut to what the rest of the budget is predicted to pay for (:func:`decide`). On a job of
 #: hours it never binds; on a 468-step MLP-Mixer at 4 hosts the probe was 9-30 s of a 54-230 s job. (The least
-#: simulated iteration of every setting instead, PowerSGD r=1's, left the Mixer's 2-host job at 5 Mbit/s a 3.7 s
-#: budget: no PowerSGD rank was measured and fp16 ran it at 2.2x the best setting's time.)
+#: simulated iteration of every setting instead, PowerSGD r=1's, left the Mixer's 2-host job at 5 Mbit/s a 3.6 s
+#: budget: only r=1 was measured and fp16 ran it at 2.2x the best setting's time.)
 PROBE_SHARE = 0.05
 #: Seconds of timed dense all-reduces auto's CCR measurement may spend after its warm-up (at least one
 #: repetition): on 2 hosts at 5 Mbit/s one dense all-reduce of a 0.16 M-parameter model takes ~1 s.
