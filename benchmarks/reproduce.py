@@ -319,8 +319,10 @@ EXPERIMENTS = [
            "powersgd:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=4,"
            "powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8"),
           *((name, "a plain MLP with SGD", "mlp", "200,3000", where, hosts, every,
-             ",".join(f"{n}:matrix_approximation_rank={r}" for n in ("powersgd", "powersgd-overlap") for r in (1, 2, 4, 8)))
-            for name, where, hosts, every in (("oos-mlp", "", "2", "52"), ("oos-mlp-4hosts", " on 4 hosts", "4", "26"))))),
+             ",".join(f"{n}:matrix_approximation_rank={r}"
+                      for n in ("powersgd", "powersgd-overlap") for r in (1, 2, 4, 8)))
+            for name, where, hosts, every in (("oos-mlp", "", "2", "52"),
+                                              ("oos-mlp-4hosts", " on 4 hosts", "4", "26"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",

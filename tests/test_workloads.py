@@ -132,7 +132,8 @@ def test_workload_with_model_and_defaults():
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
-    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, gru, mixer, mlp, resnet18"):
+    with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
+                                         "gru, mixer, mlp, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

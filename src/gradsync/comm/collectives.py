@@ -8,7 +8,7 @@ torch 2.13 deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -102,6 +102,15 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if module is not None and hasattr(module, "current_device"):
         return torch.device(kind, module.current_device())
     return torch.device(kind)
+
+
+def max_over_ranks(values: Sequence[float], group: dist.ProcessGroup | None = None) -> list[float]:
+    """Collective: each of ``values`` (float64 on :func:`collective_device`) replaced by its MAX over
+    the ranks of ``group``, in one all-reduce: figures every rank must decide from alike (times,
+    spreads, errors)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
 
 
 def _device_types(group: dist.ProcessGroup | None) -> list[str]:

@@ -21,7 +21,8 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
    (:func:`~gradsync.profiler.probe.time_candidates`, on the quality probe's copy where they run on
    DDP's buckets): each at least :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` steps, then one
    clearly slower to quality than the best stops, until one is left or the rest are within
-   :data:`~gradsync.profiler.probe.RACE_TIE` (at most :data:`~gradsync.profiler.probe.TIMED_STEPS`); DDP with them only where it is a contender (:data:`DDP_CONTENDER`), else its
+   :data:`~gradsync.profiler.probe.RACE_TIE` (at most :data:`~gradsync.profiler.probe.TIMED_STEPS`);
+   DDP with them only where it is a contender (:data:`DDP_CONTENDER`), else its
    iteration is simulated from the measured all-reduce time (step 1), which spares the probe its most
    expensive steps on a slow network;
 4. the choice (:func:`gradsync.profiler.advise.advise` over the timed candidates and DDP): the least
@@ -43,7 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..comm.collectives import collective_device
+from ..comm.collectives import max_over_ranks
 from ..options import AUTO
 from ..sim.profile import Profile
 from ..validation import check_int
@@ -54,8 +55,8 @@ from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, REFERENCE_FRACTION, START_STE
 from .profile import ccr_at, record_profile
 from .quality_model import unwrap_optimizer
 
-__all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "PROBE_SHARE", "SHORTLIST", "AutoDecision", "agreed_profile", "decide",
-           "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
+__all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "PROBE_SHARE", "SHORTLIST", "AutoDecision", "agreed_profile",
+           "decide", "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -64,10 +65,8 @@ def agreed_profile(prof: Profile, allreduce_s: float, group: Any = None) -> tupl
     """Collective: ``prof`` with its times (forward, backward, optimizer, every bucket's ready time;
     seconds) and ``allreduce_s`` (this rank's dense all-reduce time, seconds) replaced by their MAX
     over the ranks of ``group`` (one all-reduce), so every rank holds the same numbers."""
-    times = [allreduce_s, prof.forward_s, prof.backward_s, prof.optimizer_s, *(b.ready_s for b in prof.buckets)]
-    t = torch.tensor(times, dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    v = [float(x) for x in t.cpu()]
+    v = max_over_ranks([allreduce_s, prof.forward_s, prof.backward_s, prof.optimizer_s,
+                        *(b.ready_s for b in prof.buckets)], group)
     buckets = tuple(dataclasses.replace(b, ready_s=r) for b, r in zip(prof.buckets, v[4:]))
     return dataclasses.replace(prof, forward_s=v[1], backward_s=v[2], optimizer_s=v[3], buckets=buckets), v[0]
 
@@ -154,8 +153,8 @@ def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, famil
     """The ``pending`` entries to measure next: those that could still enter the short-list, but the
     costliest of them waits for the others' errors where metering it costs more than a stage of its own
     (its simulated communication per step, iteration minus compute, above one step's compute: on a slow
-    network; on a fast one a second stage's forward and backward passes cost more than its bytes). An entry's predicted time to quality is at
-    least its simulated iteration (no extra steps), so one at or above the ``shortlist``-th best
+    network; on a fast one a second stage's forward and backward passes cost more than its bytes). An
+    entry's predicted time to quality is at least its simulated iteration (no extra steps), so one at or above the ``shortlist``-th best
     predicted time to quality of the measured hooks cannot be short-listed. The errors do not depend on
     what is measured together (:meth:`QualityProbe.measure`), so the short-list is the one measuring
     every entry would give, without metering what cannot matter: PowerSGD r=16 carries about half of the
@@ -171,9 +170,8 @@ def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, famil
     for e in pending:
         if iteration[e] < bound:
             lowest[quality_proxy(e)] = min(lowest.get(quality_proxy(e), math.inf), iteration[e])
-    compute = prof.forward_s + prof.backward_s + prof.optimizer_s
     costliest = max(lowest, key=lambda p: (lowest[p], p), default=None)
-    if len(lowest) > 1 and lowest[costliest] - compute > compute:
+    if len(lowest) > 1 and lowest[costliest] - prof.compute_s > prof.compute_s:
         del lowest[costliest]
     return [e for e in pending if quality_proxy(e) in lowest]
 
@@ -227,10 +225,11 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     simulated = advise(prof, world, bandwidth, allowed=allowed)
     sim_iteration = {r.entry: r.iteration_s for r in simulated.predictions}
     budget = math.inf if job_steps is None else PROBE_SHARE * job_steps * min(
-        r.iteration_s for r in simulated.predictions if r.entry == "allreduce" or (r.entry in CASTS and allowed(r.entry)))
+        r.iteration_s for r in simulated.predictions
+        if r.entry == "allreduce" or (r.entry in CASTS and allowed(r.entry)))
 
     def left() -> float:  # seconds of the budget left, agreed (the ranks' clocks differ)
-        return budget - _agreed_seconds(spent_s + time.perf_counter() - t0, group) if job_steps else math.inf
+        return budget - max_over_ranks([spent_s + time.perf_counter() - t0], group)[0] if job_steps else math.inf
 
     errors: dict[str, float] = {}
     noise: float | None = None
@@ -301,21 +300,15 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
                         None if job_steps is None else budget)
 
 
-def _agreed_seconds(seconds: float, group: Any) -> float:
-    """Collective: the MAX of ``seconds`` over the ranks (one all-reduce)."""
-    t = torch.tensor([seconds], dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t.item())
-
-
 def _stage_seconds(stage: Sequence[str], sim_iteration: dict, prof: Profile, first: bool) -> float:
     """Predicted seconds of a quality stage (:meth:`QualityProbe.measure`): its :data:`QUALITY_STEPS` metered
     steps (and the probe copy's :data:`START_STEPS` for the ``first``), each a forward, a backward and the
     stage's collectives: every measured proxy's simulated communication (iteration minus compute; the
     proxy's, which the meter runs: torch's PowerSGD is measured as the overlapped one) and the
     reference's (:data:`REFERENCE_FRACTION` of DDP's)."""
-    compute = prof.forward_s + prof.backward_s + prof.optimizer_s
-    comm = {quality_proxy(e): max(0.0, sim_iteration.get(quality_proxy(e), sim_iteration[e]) - compute) for e in stage}
+    compute = prof.compute_s
+    comm = {quality_proxy(e): max(0.0, sim_iteration.get(quality_proxy(e), sim_iteration[e]) - compute)
+            for e in stage}
     reference = REFERENCE_FRACTION * max(0.0, sim_iteration["allreduce"] - compute)
     steps = QUALITY_STEPS + (START_STEPS if first else 0)
     return steps * (compute + sum(comm.values()) + reference)

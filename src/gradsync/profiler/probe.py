@@ -39,7 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.agreement import replicas_agree
-from ..comm.collectives import collective_device
+from ..comm.collectives import max_over_ranks
 from ..validation import check_int
 from ..algorithms.meter import (LOCAL_GRADIENT, REFERENCE_FRACTION, ProxyBucket, QualityMeter,  # noqa: F401
                                 metered_hook, relative_errors)
@@ -196,9 +196,7 @@ def _agreed_medians(times: Mapping[str, Sequence[float]], group: Any) -> tuple[d
         m = statistics.median(t)
         mad = statistics.median(abs(x - m) for x in t)
         stats += [m, 1.253 * 1.4826 * mad / math.sqrt(len(t)) / m if m > 0 else 0.0]
-    v = torch.tensor(stats, dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(v, op=dist.ReduceOp.MAX, group=group)
-    v = v.tolist()
+    v = max_over_ranks(stats, group)
     return ({e: v[2 * k] for k, e in enumerate(times)}, {e: v[2 * k + 1] for k, e in enumerate(times)})
 
 
@@ -408,7 +406,7 @@ def time_candidates(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
                     min_steps: int = RACE_MIN_STEPS) -> dict[str, CandidateProbe]:
     """Collective: each entry's iteration time on this network: ``steps`` timed steps per entry,
     taken in turn (with ``factors``, ``{entry: 1 + predicted extra steps}``, a race: at most ``steps``,
-    at least ``min_steps``, an entry clearly slower to quality than the best stops early, :meth:`_ProbeCopy.time`; the entries
+    at least ``min_steps``, an entry clearly slower to quality than the best stops early; the entries
     on DDP's buckets and those on one bucket race separately), on a copy of ``model`` in
     ``DistributedDataParallel`` (:meth:`_ProbeCopy.time`):
     the entries on DDP's buckets share one copy (``probe``'s, when given: no start steps, residuals
@@ -483,10 +481,8 @@ def cast_errors(model: nn.Module, batch: Batch, loss_fn: Callable, casts: Sequen
     loss_fn(local(batch[0]), batch[1]).backward()
     g = torch.cat([p.grad.reshape(-1).double() for p in local.parameters() if p.grad is not None])
     norm = float(g.norm()) or 1.0
-    errors = torch.tensor([float((g - g.to(dtypes[c]).double()).norm()) / norm for c in casts],
-                          dtype=torch.float64, device=collective_device(process_group))
-    dist.all_reduce(errors, op=dist.ReduceOp.MAX, group=process_group)
-    return dict(zip(casts, errors.tolist()))
+    errors = max_over_ranks([float((g - g.to(dtypes[c]).double()).norm()) / norm for c in casts], process_group)
+    return dict(zip(casts, errors))
 
 
 def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_dir: Any, seed: int):

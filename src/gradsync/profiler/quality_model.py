@@ -53,8 +53,8 @@ import torch
 
 from ..algorithms.meter import error_to_noise
 
-__all__ = ["QualityModel", "QualityPoint", "FAMILIES", "optimizer_family", "unwrap_optimizer", "error_to_noise", "fit", "cross_validate",
-           "FITTED"]
+__all__ = ["QualityModel", "QualityPoint", "FAMILIES", "optimizer_family", "unwrap_optimizer", "error_to_noise", "fit",
+           "cross_validate", "FITTED"]
 
 
 @dataclass(frozen=True)
