@@ -209,7 +209,7 @@ def test_ddp_is_timed_beside_the_short_list_only_where_it_is_a_contender():
     assert budget is None  # the job's length not given: no budget
     assert "allreduce" in near and len(near) >= 2
     assert far and "allreduce" not in far
-    assert near_phases == far_phases == ["quality", "timing"]
+    assert near_phases == far_phases == ["compression", "quality", "timing"]
 
 
 def test_a_short_job_bounds_what_auto_measures_alike_on_every_rank():

@@ -67,6 +67,22 @@ def test_a_measured_error_changes_the_pick():
     assert advise(PROFILE, 2, 20, errors={"fp16": 0.0003, "covap:ratio=3:cast=fp16": 0.9}, noise=NOISE).choice.entry == "fp16"
 
 
+def test_a_measured_compression_time_is_added_to_the_simulated_iteration_not_to_a_timed_one():
+    """advise(overheads=): a hook's own computation per step (probe.compression_seconds) is charged to its
+    simulated iteration, serially; an iteration timed on the network already holds it. 100 ms of r=16
+    compression on a 40 ms step turns the pick from PowerSGD r=16 to another setting."""
+    r16 = "powersgd:matrix_approximation_rank=16"
+    bare = advise(PROFILE, 2, 20, errors=ERRORS, noise=NOISE)
+    charged = advise(PROFILE, 2, 20, errors=ERRORS, noise=NOISE, overheads={r16: 0.100})
+    timed = advise(PROFILE, 2, 20, errors=ERRORS, noise=NOISE, overheads={r16: 0.100}, iterations={r16: 0.050})
+    at = {a: next(r.iteration_s for r in a.predictions if r.entry == r16) for a in (bare, charged, timed)}
+    assert at[charged] == pytest.approx(at[bare] + 0.100) and at[timed] == 0.050
+    for a in (bare, charged):  # the others unchanged
+        assert [r.iteration_s for r in a.predictions if r.entry == "fp16"] == [
+            r.iteration_s for r in bare.predictions if r.entry == "fp16"]
+    assert bare.choice.entry == r16 and charged.choice.entry != r16
+
+
 def test_candidates_and_the_grids_rows_are_valid_settings():
     import pathlib
 

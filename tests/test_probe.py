@@ -278,3 +278,35 @@ def test_an_entry_measured_later_has_the_error_it_has_measured_with_the_others()
     assert together == staged and together == together1 and staged == staged1
     assert 0 < together["powersgd-overlap:matrix_approximation_rank=4"] < together[
         "powersgd-overlap:matrix_approximation_rank=1"]
+
+
+def _compression(rank, world):
+    import torch.distributed as dist
+
+    from gradsync.profiler.probe import compression_seconds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    g = torch.Generator().manual_seed(10 + rank)
+    batch = (torch.randn(16, 256, generator=g), torch.randint(0, 4, (16,), generator=g))
+    entries = ["fp16", "powersgd-overlap:matrix_approximation_rank=4", "powersgd:matrix_approximation_rank=4"]
+    # 0.3 MB buckets: several, so torch's PowerSGD (one bucket on Gloo) is timed on them joined
+    seconds = compression_seconds(model, batch, F.cross_entropy, _optimizer, entries, 0.3)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    after = torch.ones(1)
+    dist.all_reduce(after)  # the job's group still works: the rank's own group is gone
+    return seconds, unchanged, float(after), compression_seconds(model, batch, F.cross_entropy, _optimizer, [], 0.3)
+
+
+def test_compression_is_each_hooks_own_computation_timed_alike_on_every_rank():
+    """probe.compression_seconds: each hook on copies of one backward's buckets, in a group of the rank
+    alone; the least of its timed runs, MAX over the ranks. PowerSGD's matrix products, orthogonalisation
+    and error feedback on two 256x256 layers cost more than the fp16 cast of the same gradients."""
+    (s0, unchanged, after, none), (s1, *_) = run_ranks(_compression, 2, timeout=180)
+    assert s0 == s1 and unchanged and after == 2.0 and none == {}
+    assert list(s0) == ["fp16", "powersgd-overlap:matrix_approximation_rank=4", "powersgd:matrix_approximation_rank=4"]
+    assert all(0 < v < 1 for v in s0.values())
+    assert s0["powersgd-overlap:matrix_approximation_rank=4"] > s0["fp16"]
+    assert s0["powersgd:matrix_approximation_rank=4"] > s0["fp16"]

@@ -53,21 +53,22 @@ def _doctor(args: argparse.Namespace) -> int:
         raise ValueError("--quality-ranks must be 0 (measure nothing) or an integer >= 2; got 1")
     prof = _measure_profile(args).scale_compute(scale)
     simulated = advise(prof, args.world_size, args.bandwidth, latency_s=args.latency_us * 1e-6)
-    errors, noise, family, spent = {}, None, None, None
+    errors, noise, family, spent, overheads = {}, None, None, None, {}
     if quality_ranks:
         worth = worth_measuring(simulated)
         t0 = time.perf_counter()
         if worth:
             quality = measure_quality_on_loopback(args.model, args.batch_size, worth, quality_ranks,
-                                                  prof.meta["bucket_cap_mb"], args.data_dir)
+                                                  prof.meta["bucket_cap_mb"], args.data_dir, compression=True)
             errors, noise = quality.errors, quality.noise
+            overheads = {e: s * scale for e, s in quality.compression_s.items()}
             if args.model.partition(":")[0] in WORKLOADS:
                 family = quality.family
         spent = time.perf_counter() - t0
     if args.optimizer is not None:
         family = optimizer_family(args.optimizer)
     advice = advise(prof, args.world_size, args.bandwidth, errors=errors, latency_s=args.latency_us * 1e-6,
-                    noise=noise, family=family, probe_seconds=spent)
+                    noise=noise, family=family, probe_seconds=spent, overheads=overheads)
     command = train_command(advice.choice.entry, prof.meta["bucket_cap_mb"])
     measured = "measured here" + (f" x {scale:g}" if scale != 1 else "")
     table = Table(title=(f"gradsync doctor: {args.model}, batch {args.batch_size}, {args.world_size} ranks at "
@@ -75,7 +76,8 @@ def _doctor(args: argparse.Namespace) -> int:
                   caption=(f"{measured}: forward {prof.forward_s * 1e3:.1f} ms, backward "
                            f"{prof.backward_s * 1e3:.1f} ms, {len(prof.buckets)} buckets, {prof.total_bytes / 1e6:.2f} "
                            f"MB of gradients; modelled dense all-reduce {advice.dense_allreduce_s * 1e3:.1f} ms: "
-                           f"CCR {advice.ccr:.2f}; errors measured on {quality_ranks} loopback ranks"))
+                           f"CCR {advice.ccr:.2f}; errors and each hook's compression time (in ms/iter) measured on "
+                           f"{quality_ranks} loopback ranks"))
     for col, justify in (("setting", "left"), ("ms/iter", "right"), ("vs DDP", "right"),
                          ("accuracy cost", "left"), ("to quality", "right")):
         table.add_column(col, justify=justify)
@@ -99,7 +101,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": args.model, "batch_size": args.batch_size, "threads": args.threads, "compute_scale": scale,
                "bucket_cap_mb": prof.meta["bucket_cap_mb"], "profile": prof.to_dict(), **advice.to_dict(),
-               "errors": errors, "noise": noise, "optimizer_family": family,
+               "errors": errors, "noise": noise, "optimizer_family": family, "compression_s": overheads,
                "quality_ranks": quality_ranks, "command": command,
                "periodic": [dataclasses.asdict(r) for r in periodic]}
         with open(args.json, "w", encoding="utf-8") as fh:

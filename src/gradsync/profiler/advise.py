@@ -245,7 +245,8 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
            errors: Mapping[str, float] | None = None, iterations: Mapping[str, float] | None = None,
            latency_s: float = 0.0, overlap_efficiency: float = 1.0,
            allowed: Callable[[str], bool] = lambda entry: True, noise: float | None = None,
-           family: str | None = None, model: QualityModel = FITTED, probe_seconds: float | None = None) -> Advice:
+           family: str | None = None, model: QualityModel = FITTED, probe_seconds: float | None = None,
+           overheads: Mapping[str, float] | None = None) -> Advice:
     """Recommend a setting for ``profile`` on ``world_size`` ranks at ``bandwidth_mbit`` Mbit/s
     (see the module docstring for the rule).
 
@@ -271,6 +272,10 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
             whose limit and slope apply; None (not known): the strictest family's.
         model: the quality model (default: the fitted one).
         probe_seconds: what measuring ``errors`` and ``iterations`` cost (seconds), for the notes.
+        overheads: ``{entry: seconds}`` each hook computes per step on the job
+            (:func:`~gradsync.profiler.probe.compression_seconds`), added to its simulated iteration
+            (serially, as the simulator charges compression: :mod:`gradsync.sim.engine`); not to a
+            measured one, which holds it.
 
     Returns:
         :class:`Advice`.
@@ -292,6 +297,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         t = iterations.get(entry)
         if t is None:
             t = simulate(_as_run(prof, entry), plan, world_size, net, overlap_efficiency).iteration_s
+            t += (overheads or {}).get(entry, 0.0)
         extra, cost, source = _cost(entry, errors, noise, world_size, model, family)
         rows.append(Prediction(entry, label, t, 0.0, extra, cost, source,
                                None if extra is None else t * (1 + extra), timed=entry in iterations))
@@ -326,16 +332,21 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         reason += (f" {f.label} is predicted {f.speedup:.2f}x per iteration, but its error was not "
                    f"measured on this job.")
     return Advice(world_size, bandwidth_mbit, latency_s, prof.backward_s, ccr * prof.backward_s, ccr,
-                  tuple(ranked), choice, reason, tuple(_notes(prof, model, errors, noise, world_size, family, probe_seconds)))
+                  tuple(ranked), choice, reason,
+                  tuple(_notes(prof, model, errors, noise, world_size, family, probe_seconds, overheads or {})))
 
 
 def _notes(prof: Profile, model: QualityModel, errors: Mapping[str, float], noise: float | None, world_size: int,
-           family: str | None, probe_seconds: float | None) -> list[str]:
+           family: str | None, probe_seconds: float | None, overheads: Mapping[str, float]) -> list[str]:
     """Caveats printed under the recommendation."""
     notes = ["Dense all-reduce time is modelled (ring alpha-beta at the given bandwidth); compute times are this "
              "machine's; iteration times marked 'measured' were timed on the job's own network.",
-             "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not simulated: simulated "
-             "speed-ups of compressed settings are upper bounds.",
+             ("Each hook's own computation per step (casts, shard copies, PowerSGD's matrix products) was timed on "
+              "this job and added to its simulated iteration, serially (no overlap with backward assumed): "
+              + ", ".join(f"{e} {s * 1e3:.1f} ms" for e, s in overheads.items()) + "."
+              if overheads else
+              "Compression overhead (casts, shard copies, PowerSGD's matrix products) is not simulated: simulated "
+              "speed-ups of compressed settings are upper bounds."),
              "PowerSGD is replayed on one bucket, ready at the end of backward, as gradsync runs torch's hook; "
              "powersgd-overlap on every bucket, each Q launched by the next bucket's hook once P has arrived."]
     if errors:

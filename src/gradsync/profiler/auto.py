@@ -6,7 +6,10 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
    optimizer times, DDP's buckets and when each is ready) and the dense all-reduce time of those
    buckets on the real network (:func:`~gradsync.profiler.ccr.measure_ccr`), both MAX over ranks; the
    network as the link rate at which the ring model gives that time (:func:`effective_bandwidth_mbit`).
-   Below a CCR of :data:`~gradsync.profiler.advise.LOW_CCR` auto keeps DDP and measures nothing more;
+   Below a CCR of :data:`~gradsync.profiler.advise.LOW_CCR` auto keeps DDP and measures nothing more.
+   Each lossy hook's own computation per step (compression, error feedback, decompression) is timed
+   without communication (:func:`~gradsync.profiler.probe.compression_seconds`) and added to its
+   simulated iteration: PowerSGD's can exceed the model's forward and backward pass;
 2. **quality**: every lossy communication-hook candidate the simulator predicts at least
    :data:`~gradsync.profiler.advise.MIN_GAIN` x faster per iteration than DDP (but those of
    :data:`NOT_PROBED`) that could still be short-listed (:func:`_next_stage`: the costliest waits for
@@ -26,7 +29,9 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
    iteration is simulated from the measured all-reduce time (step 1), which spares the probe its most
    expensive steps on a slow network;
 4. the choice (:func:`gradsync.profiler.advise.advise` over the timed candidates and DDP): the least
-   iteration time x (1 + predicted extra steps), unless it gains less than ``MIN_GAIN`` over DDP.
+   iteration time x (1 + predicted extra steps), unless it gains less than ``MIN_GAIN`` over DDP. Where
+   nothing was timed (a budget too small), only DDP and the 16-bit casts may be chosen: a setting whose
+   quality had to be metered is chosen only on its timed iteration.
 
 The probe trains copies of the model; its cost is start-up time, reported in the advice's notes.
 """
@@ -51,7 +56,7 @@ from ..validation import check_int
 from .advise import CASTS, LOW_CCR, Advice, advise, candidates, is_hook, worth_measuring
 from .ccr import measure_ccr
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, REFERENCE_FRACTION, START_STEPS, TIMED_STEPS, QualityProbe,
-                    cast_errors, probe_batches, quality_proxy, time_candidates)
+                    cast_errors, compression_seconds, probe_batches, quality_proxy, time_candidates)
 from .profile import ccr_at, record_profile
 from .quality_model import unwrap_optimizer
 
@@ -149,7 +154,7 @@ class AutoDecision:
 
 def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, family: str | None, simulated: Advice,
                 prof: Profile, world: int, bandwidth: float, allowed: Callable[[str], bool],
-                shortlist: int) -> list[str]:
+                shortlist: int, overheads: dict | None = None) -> list[str]:
     """The ``pending`` entries to measure next: those that could still enter the short-list, but the
     costliest of them waits for the others' errors where metering it costs more than a stage of its own
     (its simulated communication per step, iteration minus compute, above one step's compute: on a slow
@@ -161,7 +166,8 @@ def _next_stage(pending: Sequence[str], errors: dict, noise: float | None, famil
     candidates' bytes (the GRU at 5 Mbit/s: r=1..16 send 31 units of r=1's per step, r=16 16 of them)."""
     if not pending:
         return []
-    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise, family=family).predictions
+    ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise, family=family,
+                    overheads=overheads).predictions
     known = sorted(r.time_to_quality_s for r in ranked
                    if r.entry != "allreduce" and r.measured and is_hook(r.entry) and r.time_to_quality_s is not None)
     bound = known[shortlist - 1] if len(known) >= shortlist else math.inf
@@ -207,11 +213,12 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         job_steps: the job's optimizer steps, or None (unknown: no budget). Known, the probe spends at
             most :data:`PROBE_SHARE` of the job's predicted time, ``spent_s`` (seconds already spent on
             measuring, the same on every rank) included: a quality stage is measured only with the
-            entries whose predicted cost (:func:`_stage_seconds`) fits, costliest dropped first, and the
+            entries whose predicted cost (:func:`_stage_seconds`, and 3 timed rounds of the stage's fastest
+            entry beside the fastest lossless setting) fits, costliest dropped first, and the
             race times the candidates the rest pays :data:`~gradsync.profiler.probe.RACE_MIN_STEPS`
             rounds for (simulated iterations; the least promising dropped first, but DDP where it is a
             contender: it is timed with the last candidate or neither is; a median of fewer steps decides by
-            noise), up to the rounds it pays for; without one, the choice is simulated.
+            noise), up to the rounds it pays for; without one, the choice is DDP's or a 16-bit cast's.
 
     Raises:
         ValueError: for ``allreduce_s`` <= 0, a world size < 2, ``shortlist`` < 1 or ``job_steps`` < 1.
@@ -223,7 +230,6 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     t0 = time.perf_counter()
     bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
     simulated = advise(prof, world, bandwidth, allowed=allowed)
-    sim_iteration = {r.entry: r.iteration_s for r in simulated.predictions}
     budget = math.inf if job_steps is None else PROBE_SHARE * job_steps * min(
         r.iteration_s for r in simulated.predictions
         if r.entry == "allreduce" or (r.entry in CASTS and allowed(r.entry)))
@@ -237,6 +243,15 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     iterations: dict[str, float] = {}
     timed_steps: dict[str, int] = {}
     phases: dict[str, float] = {}
+    overheads: dict[str, float] = {}
+    if simulated.ccr >= LOW_CCR and left() > 0:
+        overheads = compression_seconds(model, batches[0], loss_fn, make_optimizer,
+                                        [e for e in worth_measuring(simulated, skip=NOT_PROBED) if allowed(e)],
+                                        bucket_cap_mb, process_group=group, seed=seed)
+        phases["compression"] = time.perf_counter() - t0
+        simulated = advise(prof, world, bandwidth, allowed=allowed, overheads=overheads)
+    sim_iteration = {r.entry: r.iteration_s for r in simulated.predictions}
+    lossless = min(sim_iteration[e] for e in sim_iteration if e == "allreduce" or (e in CASTS and allowed(e)))
     if simulated.ccr >= LOW_CCR:
         worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if allowed(e)]
         casts = [e for e in worth if e in CASTS]
@@ -246,9 +261,10 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         probe = None
         unaffordable: set[str] = set()
         while stage := _next_stage([e for e in metered if e not in errors and e not in unaffordable], errors, noise,
-                                   family, simulated, prof, world, bandwidth, allowed, shortlist):
+                                   family, simulated, prof, world, bandwidth, allowed, shortlist, overheads):
             room = left()
-            while stage and _stage_seconds(stage, sim_iteration, prof, probe is None) > room:
+            while stage and _stage_seconds(stage, sim_iteration, prof, probe is None) + RACE_MIN_STEPS * (
+                    lossless + min(sim_iteration[e] for e in stage)) > room:  # and a race it could win
                 costliest = max((quality_proxy(e) for e in stage), key=lambda p: (sim_iteration.get(p, 0.0), p))
                 unaffordable.update(e for e in stage if quality_proxy(e) == costliest)
                 stage = [e for e in stage if e not in unaffordable]
@@ -259,9 +275,9 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
                                      process_group=group, seed=seed)
             errors.update(probe.measure(stage))
             noise, family = probe.noise, probe.family
-        phases["quality"] = time.perf_counter() - t0
+        phases["quality"] = time.perf_counter() - t0 - phases.get("compression", 0.0)
         ranked = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise,
-                        family=family).predictions
+                        family=family, overheads=overheads).predictions
         short = _short_list(ranked, shortlist)
         ddp = next(r for r in ranked if r.entry == "allreduce")
         if short and ddp.time_to_quality_s <= DDP_CONTENDER * min(r.time_to_quality_s for r in ranked
@@ -293,9 +309,9 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     if iterations:
         advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, noise=noise, family=family,
                         allowed=lambda e: e in iterations or e == "allreduce", probe_seconds=spent)
-    else:
-        advice = advise(prof, world, bandwidth, errors=errors, allowed=allowed, noise=noise, family=family,
-                        probe_seconds=spent)
+    else:  # a metered setting is chosen only once timed: its simulated iteration was 4.5x off on the MLP
+        advice = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: allowed(e) and e in CASTS,
+                        noise=noise, family=family, probe_seconds=spent, overheads=overheads)
     return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family, timed_steps,
                         None if job_steps is None else budget)
 
@@ -303,7 +319,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
 def _stage_seconds(stage: Sequence[str], sim_iteration: dict, prof: Profile, first: bool) -> float:
     """Predicted seconds of a quality stage (:meth:`QualityProbe.measure`): its :data:`QUALITY_STEPS` metered
     steps (and the probe copy's :data:`START_STEPS` for the ``first``), each a forward, a backward and the
-    stage's collectives: every measured proxy's simulated communication (iteration minus compute; the
+    stage's hooks: every measured proxy's simulated communication and compression (iteration minus compute; the
     proxy's, which the meter runs: torch's PowerSGD is measured as the overlapped one) and the
     reference's (:data:`REFERENCE_FRACTION` of DDP's)."""
     compute = prof.compute_s

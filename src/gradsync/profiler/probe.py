@@ -15,6 +15,8 @@ numbers on every rank (all-reduced statistics), so every rank takes the same dec
   steps give the job's gradient noise: how far one rank's own gradient lies from the dense average
   (the unit :mod:`gradsync.profiler.quality_model` measures errors in);
 * :func:`cast_errors`: the 16-bit casts' error from one backward, without communication;
+* :func:`compression_seconds`: each hook's own computation per step (compression, error feedback,
+  decompression), timed in a process group of the rank alone;
 * :func:`time_candidates`: the candidates in turn on one DDP copy per bucket layout (the quality
   probe's copy where it can serve); the median step (a device-synchronising clock), MAX over the
   ranks;
@@ -28,6 +30,7 @@ reports.
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 
 import copy
+import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
@@ -39,6 +42,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.agreement import replicas_agree
+from ..comm.buckets import gradient_offsets
 from ..comm.collectives import max_over_ranks
 from ..validation import check_int
 from ..algorithms.meter import (LOCAL_GRADIENT, REFERENCE_FRACTION, ProxyBucket, QualityMeter,  # noqa: F401
@@ -49,8 +53,9 @@ from .quality_model import optimizer_family
 
 __all__ = ["ProxyBucket", "QualityMeter", "metered_hook", "relative_errors", "CandidateProbe", "MeasuredQuality",
            "QualityProbe",
-           "measure_quality", "quality_proxy", "time_candidates", "cast_errors", "probe_batches",
-           "race", "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION", "RACE_MIN_STEPS", "TIMED_STEPS", "RACE_TIE"]
+           "measure_quality", "quality_proxy", "time_candidates", "cast_errors", "compression_seconds", "probe_batches",
+           "race", "START_STEPS", "QUALITY_STEPS", "REFERENCE_FRACTION", "RACE_MIN_STEPS", "TIMED_STEPS", "RACE_TIE",
+           "COMPRESSION_REPEATS"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -66,11 +71,14 @@ class MeasuredQuality:
             (dimensionless; :func:`gradsync.profiler.quality_model.error_to_noise`).
         family: the optimizer family of ``make_optimizer``'s optimizer
             (:func:`gradsync.profiler.quality_model.optimizer_family`), whose limit applies.
+        compression_s: ``{entry: seconds}`` each entry's hook computes per step
+            (:func:`compression_seconds`), where it was measured (``gradsync doctor``); else empty.
     """
 
     errors: dict
     noise: float
     family: str
+    compression_s: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -485,6 +493,81 @@ def cast_errors(model: nn.Module, batch: Batch, loss_fn: Callable, casts: Sequen
     return dict(zip(casts, errors))
 
 
+#: Timed runs of each hook in :func:`compression_seconds`, after one untimed (first-call allocations,
+#: PowerSGD's initial ``Q``); the least counts (another process on the machine only adds time).
+COMPRESSION_REPEATS = 2
+
+
+class _JoinedBucket(ProxyBucket):
+    """``buckets`` (copies of one backward's buckets, :class:`ProxyBucket`) as the one bucket DDP gives an
+    entry gradsync runs on one bucket (:func:`~gradsync.profiler.advise.single_bucket`): their buffers
+    concatenated, index 0, last."""
+
+    def __init__(self, buckets: Sequence[ProxyBucket]):  # noqa: D107  (no super(): nothing to copy from)
+        self._buffer = torch.cat([b.buffer() for b in buckets])
+        self._index, self._last, self._grads, at = 0, True, [], 0
+        for b in buckets:
+            self._grads += [self._buffer[at + o:at + o + g.numel()].view(g.shape) for o, g in gradient_offsets(b)]
+            at += b.buffer().numel()
+        self._params = [p for b in buckets for p in b.parameters()]
+
+
+def compression_seconds(model: nn.Module, batch: Batch, loss_fn: Callable,
+                        make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
+                        bucket_cap_mb: float, *, process_group: Any = None, seed: int = 0,
+                        repeats: int = COMPRESSION_REPEATS) -> dict[str, float]:
+    """Collective: each hook entry's own computation per step on this job (seconds): the entry's hook
+    on copies of this rank's DDP buckets of one backward of a copy of ``model`` on ``batch`` (one
+    bucket for an entry gradsync runs on one), in a process group of this rank alone, so its
+    collectives carry nothing to another rank and what is timed is the hook's compression, error
+    feedback and decompression; the least of ``repeats`` runs after one untimed, MAX over the ranks.
+    The simulator leaves this out of a compressing iteration (PowerSGD's ``M Q``, orthogonalisation,
+    ``M^T P`` and ``P Q^T``, Vogels et al., NeurIPS 2019, Alg. 1): on the 670k-parameter MLP, r=8 computes
+    about as long as the model's forward and backward pass. ``model`` is not changed; nothing is sent but
+    the one all-reduce of the result.
+
+    Raises:
+        ValueError: for ``repeats`` < 1 or an entry that is no communication hook.
+    """
+    from ..comm.futures import completed
+
+    repeats = check_int("repeats", repeats, 1, 100)
+    if not entries:
+        return {}
+    alone = dist.new_group([dist.get_rank()], backend=dist.get_backend(process_group),
+                           use_local_synchronization=True)
+    try:
+        local = copy.deepcopy(model)
+        ddp = _ddp(local, alone, bucket_cap_mb)
+        captured: list[ProxyBucket] = []
+
+        def capture(_: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            captured.append(ProxyBucket(bucket))
+            return completed(bucket.buffer())
+
+        ddp.register_comm_hook(None, capture)
+        for _ in range(2):  # DDP's first backward fills one bucket; its buckets are rebuilt after it
+            captured.clear()
+            loss_fn(ddp(batch[0]), batch[1]).backward()
+        joined = [_JoinedBucket(captured)]
+        clock = device_clock(local)
+        seconds = []
+        for entry in entries:
+            state, hook = _hook_pair(entry, local, make_optimizer, alone, seed, int(batch[0].shape[0]), 0)
+            state.skip_start()
+            runs = []
+            for _ in range(1 + repeats):
+                views = [ProxyBucket(b) for b in (joined if single_bucket(entry) else captured)]
+                t = clock()
+                torch.futures.wait_all([hook(state, v) for v in views])
+                runs.append(clock() - t)
+            state.close()
+            seconds.append(min(runs[1:]))
+    finally:
+        dist.destroy_process_group(alone)
+    return dict(zip(entries, max_over_ranks(seconds, process_group)))
+
+
 def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_dir: Any, seed: int):
     """``(model, batches, loss_fn, make_optimizer)`` of ``model_spec`` as rank ``rank`` of ``world`` sees
     it: a training workload's model on its first :data:`QUALITY_STEPS` training batches (augmented, in
@@ -514,7 +597,7 @@ def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_d
 
 def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size: int, entries: list,
                    bucket_cap_mb: Optional[float], data_dir: Any, seed: int,
-                   reference_fraction: float) -> MeasuredQuality:
+                   reference_fraction: float, compression: bool) -> MeasuredQuality:
     import datetime
 
     from ..comm.buckets import resolve_bucket_cap_mb
@@ -525,22 +608,28 @@ def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size
     try:
         model, batches, loss_fn, make_optimizer = _job_on_rank(model_spec, batch_size, rank, world, data_dir, seed)
         cap = resolve_bucket_cap_mb("auto", model) if bucket_cap_mb is None else bucket_cap_mb
-        return measure_quality(model, batches, loss_fn, make_optimizer, entries, cap, seed=seed,
-                               reference_fraction=reference_fraction)
+        measured = measure_quality(model, batches, loss_fn, make_optimizer, entries, cap, seed=seed,
+                                   reference_fraction=reference_fraction)
+        if not compression:
+            return measured
+        seconds = compression_seconds(model, batches[0], loss_fn, make_optimizer, entries, cap, seed=seed)
+        return dataclasses.replace(measured, compression_s=seconds)
     finally:
         dist.destroy_process_group()
 
 
 def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Sequence[str], world_size: int,
                                 bucket_cap_mb: Optional[float] = None, data_dir: Any = None, seed: int = 0,
-                                reference_fraction: float = REFERENCE_FRACTION) -> MeasuredQuality:
+                                reference_fraction: float = REFERENCE_FRACTION,
+                                compression: bool = False) -> MeasuredQuality:
     """:func:`measure_quality` of ``entries`` on ``world_size`` forked Gloo ranks on 127.0.0.1 (the
     error does not depend on the network), for a model spec of
     :func:`~gradsync.profiler.profile.model_for_profile`, each rank on its own batches: a training
     workload on its first training batches as ``--algorithm auto`` sees them (:func:`probe_batches`)
     with its recipe optimizer, any other model on ``make_batch`` batches with SGD (momentum 0.9,
     learning rate 0.01; the probe does not step it). ``bucket_cap_mb`` None: the size gradsync picks for the
-    model (:func:`~gradsync.comm.buckets.resolve_bucket_cap_mb`). What ``gradsync doctor`` and
+    model (:func:`~gradsync.comm.buckets.resolve_bucket_cap_mb`). With ``compression``, also each
+    entry's :func:`compression_seconds` (on one thread per rank). What ``gradsync doctor`` and
     ``benchmarks/probe_quality.py`` measure.
 
     Raises:
@@ -554,6 +643,6 @@ def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Seque
     port = free_port()
     with mp.get_context("fork").Pool(world_size) as pool:
         results = pool.starmap(_loopback_rank, [(r, world_size, port, model_spec, batch_size, list(entries),
-                                                 bucket_cap_mb, data_dir, seed, reference_fraction)
+                                                 bucket_cap_mb, data_dir, seed, reference_fraction, compression)
                                                 for r in range(world_size)])
     return results[0]
