@@ -281,16 +281,20 @@ def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_
 
 
 def test_the_short_list_times_one_of_two_settings_with_the_same_bytes_and_schedule():
-    """bf16 moves fp16's bytes on fp16's schedule: with both measured, only one is timed and the third
-    place goes to the next setting."""
+    """bf16 moves fp16's bytes on fp16's schedule: with both measured, only one is timed, the one with the
+    smaller error even where the other's measured cast time ranks it first, and the third place goes to
+    the next setting."""
     from gradsync.profiler.auto import _short_list
 
     bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)
     r8, o8 = "powersgd:matrix_approximation_rank=8", "powersgd-overlap:matrix_approximation_rank=8"
     errors = {"fp16": 0.0003, "bf16": 0.002, r8: 0.05, o8: 0.05}
-    ranked = advise(PROFILE, 2, bw, errors=errors, noise=0.5, family="sgd").predictions
-    short = _short_list(ranked, 3)
-    assert len(short) == 3 and len({"fp16", "bf16"} & set(short)) == 1 and {r8, o8} <= set(short)
+    for overheads in ({}, {"fp16": 0.002, "bf16": 0.001}):
+        ranked = advise(PROFILE, 2, bw, errors=errors, noise=0.5, family="sgd", overheads=overheads).predictions
+        short = _short_list(ranked, 3, errors)
+        assert len(short) == 3 and "fp16" in short and "bf16" not in short and {r8, o8} <= set(short)
+    swapped = _short_list(ranked, 3, {**errors, "bf16": 0.0001})
+    assert "bf16" in swapped and "fp16" not in swapped
 
 
 def test_a_frameworks_step_count_is_a_budget_only_when_finite_and_positive():

@@ -494,8 +494,9 @@ def cast_errors(model: nn.Module, batch: Batch, loss_fn: Callable, casts: Sequen
 
 
 #: Timed runs of each hook in :func:`compression_seconds`, after one untimed (first-call allocations,
-#: PowerSGD's initial ``Q``); the least counts (another process on the machine only adds time).
-COMPRESSION_REPEATS = 2
+#: PowerSGD's initial ``Q``); the least counts (another process on the machine only adds time). One: on the
+#: MLP's 0.7 s probe budget at 3 Gbit/s, two runs of ten hooks took 0.6 s.
+COMPRESSION_REPEATS = 1
 
 
 class _JoinedBucket(ProxyBucket):
