@@ -127,13 +127,20 @@ def test_workload_with_model_and_defaults():
     assert mixer.optimizer == "adamw" and mixer.defaults == vit.defaults and mixer.describe()["parameters"] == 94_734
     mlp = get_workload("fashion-mnist", "mlp")
     assert mlp.optimizer == "sgd" and mlp.defaults == base.defaults and mlp.describe()["parameters"] == 669_706
-    for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model()):
+    mobilenet = get_workload("fashion-mnist", "mobilenet")
+    assert (mobilenet.optimizer == "sgd" and mobilenet.defaults == base.defaults
+            and mobilenet.describe()["parameters"] == 161_418)
+    for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    from gradsync.workloads.mobilenet import TinyMobileNet
+
+    with pytest.raises(ValueError, match="expansion >= 1"):
+        TinyMobileNet(blocks=((0, 16, 1),))
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

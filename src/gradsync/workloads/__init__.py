@@ -33,6 +33,7 @@ from .rnn import RowGRU
 from .vit import TinyViT
 from .mixer import TinyMixer
 from .mlp import MLP
+from .mobilenet import TinyMobileNet
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -295,10 +296,13 @@ def _vision_choices() -> tuple[str, ...]:
 # gradsync was tuned on (the out-of-sample tests of --algorithm auto). An MLP-Mixer of 95k parameters
 # (gradsync.workloads.mixer), AdamW as the ViT: added after the ViT's rows entered the quality model's fit, as its
 # next out-of-sample family. A plain MLP of 670k parameters (gradsync.workloads.mlp), the recipe's SGD: added
-# after the probe's budget and timing race were frozen (eighth session), their out-of-sample family.
+# after the probe's budget and timing race were frozen (eighth session), their out-of-sample family. A
+# MobileNetV2-style depthwise-separable CNN of 161k parameters (gradsync.workloads.mobilenet), the recipe's SGD:
+# added after the ninth session's probe changes were frozen, their out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
-                                                      "mixer": lambda: TinyMixer(), "mlp": lambda: MLP()}
+                                                      "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
+                                                      "mobilenet": lambda: TinyMobileNet()}
 
 
 _KJV_VOCAB_SIZE = 73
