@@ -740,3 +740,37 @@ def test_deferred_finite_decision_on_the_device_trains_as_an_immediate_one(finit
         for name, r in res.items():
             assert r["same"] and r["finite"], (name, r)
             assert r["skipped"] and r["rollbacks"][0] == r["rollbacks"][1] <= 1, (name, r)
+
+
+def _compression_job(rank, world, device):
+    """auto's compression timing on the device: each hook on copies of one backward's CUDA buckets in a
+    process group of the rank alone (an NCCL group of one where the job's is NCCL), timed on a clock that
+    synchronises the device; the job's group still works afterwards."""
+    from torch import nn
+
+    from gradsync.profiler.probe import compression_seconds
+
+    torch.manual_seed(0)
+    width = 1024 if device.type == "cuda" else 128
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                          nn.Linear(width, 10)).to(device)
+    gen = torch.Generator().manual_seed(rank)
+    batch = (torch.randn(64, width, generator=gen).to(device), torch.randint(0, 10, (64,), generator=gen).to(device))
+    entries = ["fp16", "bf16", "powersgd-overlap:matrix_approximation_rank=4", "powersgd:matrix_approximation_rank=4"]
+    seconds = compression_seconds(model, batch, nn.functional.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.01),
+                                  entries, 1.0)
+    after = torch.ones(1, device=device)
+    dist.all_reduce(after)
+    return {"seconds": seconds, "after": float(after), "params_on": str(next(model.parameters()).device)}
+
+
+@pytest.fixture(scope="module")
+def compression_job():
+    return _on_every_rank(_compression_job)
+
+
+def test_compression_is_timed_on_the_device_in_a_group_of_the_rank_alone(compression_job):
+    world, results = compression_job
+    for r in results:
+        assert r["seconds"] == results[0]["seconds"] and r["after"] == world and _on_device(r["params_on"]), r
+        assert all(0 < s < 1 for s in r["seconds"].values()), r
