@@ -303,3 +303,26 @@ def test_a_frameworks_step_count_is_a_budget_only_when_finite_and_positive():
     assert known_steps(468) == 468 and known_steps(468.0) == 468
     assert known_steps(float("inf")) is None and known_steps(-1) is None and known_steps(0) is None
     assert known_steps(None) is None and known_steps("many") is None
+
+
+def test_a_budgeted_race_drops_the_least_promising_first_and_times_ddp_with_the_last_candidate_or_not_at_all():
+    """auto._affordable_race: 3 rounds of every raced entry must fit the room; DDP, a contender, is never
+    left alone nor dropped while a candidate is timed (a timed candidate against DDP's simulated iteration
+    kept DDP 53 % behind on the Mixer)."""
+    from gradsync.profiler.auto import _affordable_race
+
+    sim = {"fp16": 0.10, "powersgd:matrix_approximation_rank=4": 0.05, "powersgd:matrix_approximation_rank=8": 0.06,
+           "allreduce": 0.20}
+    ttq = {"fp16": 0.10, "powersgd:matrix_approximation_rank=4": 0.08, "powersgd:matrix_approximation_rank=8": 0.07,
+           "allreduce": 0.20}
+    every = list(sim)
+    assert _affordable_race(every, sim, ttq, 100.0) == (every, 8)  # at most 8 rounds
+    short, rounds = _affordable_race(every, sim, ttq, 3 * 0.31 + 1e-9)  # all but fp16 (the least promising)
+    assert short == ["powersgd:matrix_approximation_rank=4", "powersgd:matrix_approximation_rank=8", "allreduce"]
+    assert rounds == 3
+    short, rounds = _affordable_race(every, sim, ttq, 3 * 0.26 + 1e-9)  # r=8 and DDP: DDP kept with the last
+    assert short == ["powersgd:matrix_approximation_rank=8", "allreduce"] and rounds == 3
+    assert _affordable_race(every, sim, ttq, 3 * 0.26 - 1e-3) == ([], 0)  # not DDP alone, not r=8 alone
+    lone = ["powersgd:matrix_approximation_rank=8", "powersgd:matrix_approximation_rank=4"]
+    assert _affordable_race(lone, sim, ttq, 0.20) == (["powersgd:matrix_approximation_rank=8"], 3)
+    assert _affordable_race(lone, sim, ttq, 0.17) == ([], 0)  # fewer than 3 rounds decide by noise

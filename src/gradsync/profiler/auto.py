@@ -296,15 +296,8 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
             short.append("allreduce")  # a contender: timed beside the others, on the same copy
         rounds = TIMED_STEPS
         if short and job_steps:
-            room = left()
-            predicted = {r.entry: r.time_to_quality_s for r in ranked}
-            while short and room < RACE_MIN_STEPS * sum(sim_iteration[e] for e in short):
-                others = [e for e in short if e != "allreduce"]
-                if len(others) > 1 or "allreduce" not in short:
-                    short.remove(max(others, key=lambda e: (predicted[e], e)))  # the least promising first
-                else:  # DDP a contender stays timed with the last one or neither is: a timed candidate against
-                    short = []  # DDP's simulated iteration is no comparison (the Mixer, 40 Mbit/s: DDP, 53 % behind)
-            rounds = min(TIMED_STEPS, int(room / sum(sim_iteration[e] for e in short))) if short else 0
+            short, rounds = _affordable_race(short, sim_iteration, {r.entry: r.time_to_quality_s for r in ranked},
+                                             left())
         if short:
             t1 = time.perf_counter()
             factor = {r.entry: r.time_to_quality_s / r.iteration_s for r in ranked if r.entry in short}
@@ -325,6 +318,25 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
                         noise=noise, family=family, probe_seconds=spent, overheads=overheads)
     return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family, timed_steps,
                         None if job_steps is None else budget, overheads)
+
+
+def _affordable_race(short: Sequence[str], sim_iteration: dict, predicted: dict,
+                     room: float) -> tuple[list[str], int]:
+    """``(entries, rounds)``: the entries of ``short`` that ``room`` (seconds) pays
+    :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` timed rounds for (each round one step of each, its
+    ``sim_iteration``, seconds), and the rounds it pays (at most :data:`~gradsync.profiler.probe.TIMED_STEPS`).
+    The least promising (greatest ``predicted`` time to quality) is dropped first, but DDP (``allreduce``),
+    where it is a contender, is timed with the last candidate or neither is: a timed candidate against DDP's
+    simulated iteration is no comparison (the Mixer at 40 Mbit/s kept DDP, 53 % behind fp16). ``([], 0)``
+    where nothing is paid for."""
+    short = list(short)
+    while short and room < RACE_MIN_STEPS * sum(sim_iteration[e] for e in short):
+        others = [e for e in short if e != "allreduce"]
+        if len(others) > 1 or "allreduce" not in short:
+            short.remove(max(others, key=lambda e: (predicted[e], e)))
+        else:
+            short = []
+    return (short, min(TIMED_STEPS, int(room / sum(sim_iteration[e] for e in short)))) if short else ([], 0)
 
 
 def _stage_seconds(stage: Sequence[str], sim_iteration: dict, prof: Profile, first: bool) -> float:
