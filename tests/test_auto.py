@@ -241,6 +241,8 @@ def _repetitions(rank, world, budget_s):
         time.sleep(0.1 * rank if not calls else 0.0)
         calls.append(1)
 
+    if budget_s == "2.5 first calls":  # a callable budget, given the first call's time (MAX over ranks)
+        budget_s = lambda first_s: 2.5 * first_s  # noqa: E731
     _median_seconds(run, None, 5, torch.device("cpu"), budget_s)
     return len(calls)
 
@@ -251,6 +253,19 @@ def test_the_ccr_budget_cuts_repetitions_alike_on_every_rank():
     assert run_ranks(_repetitions, 2, None, timeout=60) == [5, 5]  # 5, the first included (the warm-up: 1 element)
     assert run_ranks(_repetitions, 2, 0.25, timeout=60) == [2, 2]  # 0.25 s / ~0.1 s of rank 1's first call: 2
     assert run_ranks(_repetitions, 2, 1e-6, timeout=60) == [1, 1]  # at least one: the first call
+    assert run_ranks(_repetitions, 2, "2.5 first calls", timeout=60) == [2, 2]
+
+
+def test_where_nothing_was_timed_the_cast_with_the_smaller_measured_error_is_the_one_allowed():
+    """auto._untimed_cast: fp16 and bf16 move the same bytes; chosen by their noisy compression times, auto
+    ran a 4-host job with bf16 at 8x fp16's error."""
+    from gradsync.profiler.auto import _untimed_cast
+
+    assert _untimed_cast({"bf16": 0.0017, "fp16": 0.0002}, lambda e: True) == "fp16"
+    assert _untimed_cast({"bf16": 0.0001, "fp16": 0.0002}, lambda e: True) == "bf16"
+    assert _untimed_cast({}, lambda e: True) == "fp16"  # none measured (below the CCR worth measuring)
+    assert _untimed_cast({"bf16": 0.0017, "fp16": 0.0002}, lambda e: e != "fp16") == "bf16"
+    assert _untimed_cast({}, lambda e: e == "allreduce") is None
 
 
 def test_the_costliest_candidate_is_measured_only_where_it_could_still_be_short_listed():

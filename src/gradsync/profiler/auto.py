@@ -5,7 +5,8 @@ Every rank runs the same steps (collectives), on its own batches, and ends with 
 1. **compute profile** (:func:`~gradsync.profiler.profile.record_profile`: forward, backward and
    optimizer times, DDP's buckets and when each is ready) and the dense all-reduce time of those
    buckets on the real network (:func:`~gradsync.profiler.ccr.measure_ccr`), both MAX over ranks; the
-   network as the link rate at which the ring model gives that time (:func:`effective_bandwidth_mbit`).
+   network as the link rate at which the ring model gives that time (:func:`effective_bandwidth_mbit`); the
+   all-reduce is repeated at most :data:`CCR_PROBE_SHARE` of the probe's budget (:data:`CCR_BUDGET_S` at most).
    Below a CCR of :data:`~gradsync.profiler.advise.LOW_CCR` auto keeps DDP and measures nothing more.
    Each lossy hook's own computation per step (compression, error feedback, decompression) is timed
    without communication (:func:`~gradsync.profiler.probe.compression_seconds`) and added to its
@@ -60,8 +61,8 @@ from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, REFERENCE_FRACTION, START_STE
 from .profile import ccr_at, record_profile
 from .quality_model import unwrap_optimizer
 
-__all__ = ["AUTO", "CCR_BUDGET_S", "DDP_CONTENDER", "PROBE_SHARE", "SHORTLIST", "AutoDecision", "agreed_profile",
-           "decide", "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
+__all__ = ["AUTO", "CCR_BUDGET_S", "CCR_PROBE_SHARE", "DDP_CONTENDER", "PROBE_SHARE", "SHORTLIST", "AutoDecision",
+           "agreed_profile", "decide", "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -107,6 +108,11 @@ PROBE_SHARE = 0.05
 #: Seconds of timed dense all-reduces auto's CCR measurement may spend after its warm-up (at least one
 #: repetition): on 2 hosts at 5 Mbit/s one dense all-reduce of a 0.16 M-parameter model takes ~1 s.
 CCR_BUDGET_S = 2.0
+#: Share of the probe's budget (:data:`PROBE_SHARE`, judged from the first dense all-reduce) its CCR
+#: measurement may spend, up to :data:`CCR_BUDGET_S`: the first all-reduce is always timed. At 2 and 4 hosts at
+#: 15 Mbit/s the MobileNetV2's 1-epoch job (budget 4.2-5.2 s) spent 1.7-2.0 s on 5 repetitions of ~0.35 s, and
+#: at 4 hosts no lossy setting's quality could be paid for after it.
+CCR_PROBE_SHARE = 0.1
 #: Algorithms auto does not probe: every model measured put their error far above the quality model's
 #: limit (COVAP K=2-6 with fp16 shards 0.59-0.95, top-k 0.01 0.60-1.01 on the ResNet-8, its 3-rank and
 #: wide forms, the character LSTM, the ViT and the GRU), while metering them costs the probe 1/K of a dense
@@ -237,9 +243,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     t0 = time.perf_counter()
     bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
     simulated = advise(prof, world, bandwidth, allowed=allowed)
-    budget = math.inf if job_steps is None else PROBE_SHARE * job_steps * min(
-        r.iteration_s for r in simulated.predictions
-        if r.entry == "allreduce" or (r.entry in CASTS and allowed(r.entry)))
+    budget = math.inf if job_steps is None else _probe_budget(simulated, allowed, job_steps)
 
     def left() -> float:  # seconds of the budget left, agreed (the ranks' clocks differ)
         return budget - max_over_ranks([spent_s + time.perf_counter() - t0], group)[0] if job_steps else math.inf
@@ -314,10 +318,27 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
         advice = advise(prof, world, bandwidth, errors=errors, iterations=iterations, noise=noise, family=family,
                         allowed=lambda e: e in iterations or e == "allreduce", probe_seconds=spent)
     else:  # a metered setting is chosen only once timed: its simulated iteration was 4.5x off on the MLP
-        advice = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: allowed(e) and e in CASTS,
+        cast = _untimed_cast(errors, allowed)
+        advice = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: e == cast,
                         noise=noise, family=family, probe_seconds=spent, overheads=overheads)
     return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family, timed_steps,
                         None if job_steps is None else budget, overheads)
+
+
+def _probe_budget(simulated: Advice, allowed: Callable[[str], bool], job_steps: int) -> float:
+    """Seconds auto may spend measuring: :data:`PROBE_SHARE` of ``job_steps`` at the least ``simulated``
+    iteration of DDP and the ``allowed`` 16-bit casts (the job as it would run without lossy compression)."""
+    return PROBE_SHARE * job_steps * min(r.iteration_s for r in simulated.predictions
+                                         if r.entry == "allreduce" or (r.entry in CASTS and allowed(r.entry)))
+
+
+def _untimed_cast(errors: dict, allowed: Callable[[str], bool]) -> str | None:
+    """The 16-bit cast auto may choose where nothing was timed: of the ``allowed`` ones, the least
+    measured relative error in ``errors`` (fp16 first where none was measured). fp16 and bf16 move the
+    same bytes, and their compression times differ by noise: chosen by those, auto ran the MobileNetV2
+    at 4 hosts with bf16 (error 0.0017) where fp16's was 0.0002."""
+    return min((e for e in CASTS if allowed(e)), key=lambda e: (errors.get(e, math.inf), CASTS.index(e)),
+               default=None)
 
 
 def _affordable_race(short: Sequence[str], sim_iteration: dict, predicted: dict,
@@ -389,7 +410,15 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     prof = record_profile(copy.deepcopy(model), lambda: next(it), loss_fn, make_optimizer, workload, batch_size,
                           bucket_cap_mb, iterations=3)
     t1 = time.perf_counter()
-    ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group, budget_s=CCR_BUDGET_S)
+    prof, _ = agreed_profile(prof, 0.0, group)  # agreed before the CCR budget is judged from it
+
+    def ccr_budget(first_s: float) -> float:
+        if job_steps is None:
+            return CCR_BUDGET_S
+        simulated = advise(prof, world, effective_bandwidth_mbit(prof, world, first_s), allowed=allowed)
+        return min(CCR_BUDGET_S, CCR_PROBE_SHARE * _probe_budget(simulated, allowed, job_steps))
+
+    ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group, budget_s=ccr_budget)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
     t2 = time.perf_counter()
     decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, bucket_cap_mb,

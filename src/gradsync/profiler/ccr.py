@@ -30,7 +30,8 @@ class CCRMeasurement:
 
 def time_dense_allreduce(
     numels: Sequence[int], group: dist.ProcessGroup | None = None, reps: int = 5,
-    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, budget_s: float | None = None,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+    budget_s: float | Callable[[float], float] | None = None,
 ) -> float:
     """Median seconds of blocking all-reduces of one ``dtype`` tensor per bucket, one after another
     (no overlap), after a one-element all-reduce that sets the connections up.
@@ -39,8 +40,9 @@ def time_dense_allreduce(
         reps: timed repetitions (>= 1).
         budget_s: at most this many seconds (> 0) of timed repetitions, judged from the first one's
             time (MAX over the ranks, so every rank runs as many): ``reps`` is cut to
-            ``budget_s / first`` but kept >= 1. None: ``reps``. On a slow network one dense
-            all-reduce can take seconds.
+            ``budget_s / first`` but kept >= 1. A callable is given that first time (seconds) and
+            returns the budget (it must return the same on every rank). None: ``reps``. On a slow
+            network one dense all-reduce can take seconds.
         device: where the buckets live (the model's device); default
             :func:`~gradsync.comm.collectives.collective_device` of ``group`` (CUDA for NCCL, CPU for
             Gloo). On CUDA the device is synchronised before the clock is read.
@@ -75,7 +77,7 @@ def time_dense_rs_ag(numel: int, group: dist.ProcessGroup | None = None, reps: i
 
 
 def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, reps: int,
-                    device: torch.device, budget_s: float | None = None) -> float:
+                    device: torch.device, budget_s: float | Callable[[float], float] | None = None) -> float:
     """Median wall-clock seconds of ``reps`` calls of ``run`` started together on every rank (a
     barrier before each), after a one-element all-reduce that sets the connections up (NCCL creates its
     communicators at the first collective). With ``budget_s`` the first call's time, MAX over the ranks,
@@ -84,7 +86,7 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
     ``device`` the device is synchronised before each clock read, since NCCL collectives return once
     enqueued."""
     reps = check_int("reps", reps, 1)
-    if budget_s is not None:
+    if budget_s is not None and not callable(budget_s):
         check_float("budget_s", budget_s, 0.0, 1e6, low_inclusive=False)
     clock = device_clock(device)
 
@@ -100,13 +102,16 @@ def _median_seconds(run: Callable[[], None], group: dist.ProcessGroup | None, re
     if budget_s is not None:
         slowest = torch.tensor([first], dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-        reps = max(1, min(reps, int(budget_s / max(float(slowest.item()), 1e-9))))
+        slowest_s = max(float(slowest.item()), 1e-9)
+        budget = budget_s(slowest_s) if callable(budget_s) else budget_s
+        reps = max(1, min(reps, int(budget / slowest_s)))
     return statistics.median([first] + [timed() for _ in range(reps - 1)])
 
 
 def measure_ccr(
     numels: Sequence[int], backward_s: float, group: dist.ProcessGroup | None = None, reps: int = 5,
-    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32, budget_s: float | None = None,
+    device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+    budget_s: float | Callable[[float], float] | None = None,
 ) -> CCRMeasurement:
     """Collective: measure the dense all-reduce time of buckets ``numels`` (``dtype`` on ``device``,
     ``reps`` and ``budget_s`` as in :func:`time_dense_allreduce`) and return the CCR against
