@@ -192,6 +192,27 @@ def test_comm_timer_measures_the_hooks_own_collectives():
     assert results[0][1]["covap_ccr"] == results[1][1]["covap_ccr"]
 
 
+def _sent_at_k1(rank, world, steps):
+    module = make_model()
+    model = DDP(module, bucket_cap_mb=0.01)
+    state = CovapState(ratio=1, timer=CommTimer(), model=module)
+    model.register_comm_hook(state, covap_hook)
+    timings = []
+    for step in range(steps):
+        backward_step(model, rank, step)
+        timings.append(state.timer.finish_step())  # no adapter: nothing else closes the step
+    return [(t.sent_elements, t.dense_elements) for t in timings[START:]]
+
+
+def test_the_timer_counts_gradient_elements_not_the_finite_guards():
+    """At K = 1 every gradient element is sent: the timer's ``sent_elements`` equals the dense count, the
+    FiniteGuard element the last bucket carries left out (it is in the wire bytes, not in the CCR's scale).
+    Counted with it, the adapter's K = 1 on a loaded CPU failed the test above (11019 > 11018)."""
+    dense = sum(p.numel() for p in make_model().parameters())
+    for sent in run_ranks(_sent_at_k1, 2, START + 3, timeout=120):
+        assert sent == [(dense, dense)] * 3
+
+
 def test_hysteresis_band():
     a = RatioAdapter(5, hysteresis=0.25)
     assert a.decide(4, 4.9) == 4 and a.decide(4, 5.0) == 4  # up only above K (1 + h) = 5

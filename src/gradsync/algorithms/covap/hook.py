@@ -128,7 +128,8 @@ def _send(state: CovapState, bucket: dist.GradBucket, send: Optional[torch.Tenso
     state.count_collective(send)
     state.end_bucket(bucket)
     timer = state.timer
-    ident = timer.launched(send.numel()) if timer is not None else None
+    # gradient elements only: the CCR's scale (dense / sent), which the FiniteGuard element is not part of
+    ident = timer.launched(send.numel() - int(last)) if timer is not None else None
     work = dist.all_reduce(send, group=state.process_group, async_op=True)
 
     def scatter_back(f: torch.futures.Future) -> torch.Tensor:
