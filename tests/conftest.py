@@ -3,6 +3,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import preload_data  # noqa: E402,F401  (Fashion-MNIST decoded once; forked ranks inherit it)
+
 try:  # torchvision's CUDA-built C++ ops do not load beside the CPU torch; Lightning imports torchvision
     from gradsync.workloads.vision import torchvision_models
 

@@ -7,10 +7,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
+#: Samples per forward pass of :func:`evaluate` on a CPU: activations that stay in cache. One thread, 600 test
+#: samples, in batches of 1000 against 64: the ResNet-8 0.52 s against 0.27 s, the character LSTM 3.1 s against
+#: 2.8 s, the transformer 6.9 s against 5.0 s, the MobileNetV2 equal (0.11 s).
+CPU_EVAL_BATCH = 64
+#: Samples per forward pass of :func:`evaluate` on an accelerator.
+DEVICE_EVAL_BATCH = 1000
+
+
 def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-              group=None, batch: int = 1000) -> tuple[float, float]:
+             group=None, batch: int | None = None) -> tuple[float, float]:
     """Test loss (mean cross-entropy) and accuracy in [0, 1] over the whole set; each rank takes
-    every world-th sample and the sums are all-reduced."""
+    every world-th sample and the sums are all-reduced. ``batch``: samples per forward pass (default
+    :data:`CPU_EVAL_BATCH` on a CPU ``device``, else :data:`DEVICE_EVAL_BATCH`)."""
+    if batch is None:
+        batch = CPU_EVAL_BATCH if torch.device(device).type == "cpu" else DEVICE_EVAL_BATCH
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     xs, ys = x[rank::world], y[rank::world]
     sums = torch.zeros(3, dtype=torch.float64, device=device)

@@ -6,6 +6,7 @@ The idx files are the ones Debian's ``dataset-fashion-mnist`` package installs u
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import zlib
@@ -49,12 +50,21 @@ class DatasetCorrupt(ValueError):
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """Read one idx file (optionally gzip-compressed) into a uint8 array.
+    """Read one idx file (optionally gzip-compressed) into a read-only uint8 array. The array is kept
+    per process for the file's path, size and modification time: the training images take 0.3 s to
+    decompress, and ``gradsync train`` checks the data before it forks the ranks, which then share it.
 
     Raises:
         DatasetCorrupt: naming ``path``, if it is not a complete unsigned-byte idx file (a truncated
             or damaged ``.gz``, a wrong magic number, fewer bytes than its header's shape needs).
     """
+    st = os.stat(path)
+    return _read_idx(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_idx(name: str, size: int, mtime_ns: int) -> np.ndarray:
+    path = Path(name)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
