@@ -293,7 +293,10 @@ def _compression(rank, world):
     batch = (torch.randn(16, 256, generator=g), torch.randint(0, 4, (16,), generator=g))
     entries = ["fp16", "powersgd-overlap:matrix_approximation_rank=4", "powersgd:matrix_approximation_rank=4"]
     # 0.3 MB buckets: several, so torch's PowerSGD (one bucket on Gloo) is timed on them joined
-    seconds = compression_seconds(model, batch, F.cross_entropy, _optimizer, entries, 0.3)
+    # the least of 3 calls: one call times each hook once, and a step stalled by the machine (4 ms for the
+    # fp16 cast under a loaded suite) would order them by the stall
+    calls = [compression_seconds(model, batch, F.cross_entropy, _optimizer, entries, 0.3) for _ in range(3)]
+    seconds = {e: min(c[e] for c in calls) for e in calls[0]}
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     after = torch.ones(1)
     dist.all_reduce(after)  # the job's group still works: the rank's own group is gone

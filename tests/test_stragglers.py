@@ -4,12 +4,10 @@ quarter of the others' rate named in ``gradsync train``'s summary, with COVAP's 
 slowest link."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
+from cli_runner import run_cli
 from distributed import cluster_skip_reason, run_ranks
 from gradsync.compressors.covap_shards import ratio_for_ccr
 from gradsync.profiler.stragglers import find_stragglers, probe_links
@@ -50,9 +48,9 @@ _WHY = cluster_skip_reason(needs_fashion_mnist=True)
 
 def _train(tmp_path, name, bandwidth):
     out = tmp_path / name
-    run = subprocess.run([sys.executable, "-m", "gradsync", "train", "--hosts", "3", "--bandwidth", bandwidth,
-                          "--algorithm", "covap", "--ratio", "auto", "--max-ratio", "32", "--max-steps", "2", "--eval-samples", "100",
-                          "--timeout", "60", "--out", str(out)], capture_output=True, text=True, timeout=400)
+    run = run_cli(["train", "--hosts", "3", "--bandwidth", bandwidth, "--algorithm", "covap", "--ratio", "auto",
+                   "--max-ratio", "32", "--max-steps", "2", "--eval-samples", "100", "--timeout", "60",
+                   "--out", str(out)], timeout=400)
     assert run.returncode == 0, run.stdout + run.stderr
     return json.loads((out / "metrics.json").read_text())["summary"], run.stdout
 

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -52,10 +51,9 @@ def _losses(out: Path) -> list[tuple[int, float, float]]:
 def test_cli_launcher_torchrun_two_nodes_two_processes_each(tmp_path):
     """``gradsync train --hosts 2 --workers 4 --launcher torchrun``: the command the README shows."""
     out = tmp_path / "multi"
-    run = subprocess.run([sys.executable, "-m", "gradsync", "train", "--hosts", "2", "--workers", "4", "--bandwidth", "50",
-                          "--launcher", "torchrun", "--algorithm", "covap", "--ratio", "2", "--max-steps", "4",
-                          "--eval-samples", "200", "--timeout", "60", "--out", str(out)],
-                         capture_output=True, text=True, timeout=400)
+    run = run_cli(["train", "--hosts", "2", "--workers", "4", "--bandwidth", "50", "--launcher", "torchrun",
+                   "--algorithm", "covap", "--ratio", "2", "--max-steps", "4", "--eval-samples", "200",
+                   "--timeout", "60", "--out", str(out)], timeout=400)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "torchrun: 2 agents x 2 processes" in run.stdout, run.stdout
     result = json.loads((out / "metrics.json").read_text())
