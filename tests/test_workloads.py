@@ -274,3 +274,21 @@ def test_recipes_are_the_defaults_of_train_and_bench_and_flags_override_them():
     assert (cfg.lr, cfg.momentum, cfg.warmup_fraction, cfg.batch_size) == (0.02, 0.0, 0.3, 32)
     with pytest.raises(ValueError, match="warmup_fraction"):
         TrainConfig(warmup_fraction=1.0)
+
+
+def _evaluate_in_batches(rank, world):
+    from gradsync.train.evaluate import CPU_EVAL_BATCH, evaluate
+
+    torch.manual_seed(0)
+    model = get_workload("fashion-mnist").make_model()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(301, 1, 28, 28, generator=g), torch.randint(0, 10, (301,), generator=g)
+    assert CPU_EVAL_BATCH < 301 // world  # several batches per rank
+    return evaluate(model, x, y, torch.device("cpu")), evaluate(model, x, y, torch.device("cpu"), batch=1000)
+
+
+def test_evaluation_in_cpu_batches_gives_the_whole_sets_loss_and_accuracy():
+    """train.evaluate's CPU batches (CPU_EVAL_BATCH samples per forward pass, for speed) give every rank the
+    loss and accuracy of the whole set, as one forward pass per rank does (loss to float32 summation order)."""
+    for (loss, acc), (loss1, acc1) in run_ranks(_evaluate_in_batches, 2):
+        assert acc == acc1 and loss == pytest.approx(loss1, rel=1e-5)
