@@ -55,6 +55,7 @@ def read_idx(path: Path) -> np.ndarray:
     decompress, and ``gradsync train`` checks the data before it forks the ranks, which then share it.
 
     Raises:
+        FileNotFoundError: if ``path`` does not exist.
         DatasetCorrupt: naming ``path``, if it is not a complete unsigned-byte idx file (a truncated
             or damaged ``.gz``, a wrong magic number, fewer bytes than its header's shape needs).
     """
