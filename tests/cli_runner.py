@@ -4,8 +4,7 @@
 capture_output=True, text=True)``: the command runs in its own process (forked from a multiprocessing
 forkserver that imported torch, gradsync's CLI and matplotlib and decoded Fashion-MNIST once), with its
 own environment and working directory, file descriptors 1 and 2 captured, and its exit status from
-``gradsync.cli.main``
-(``SystemExit`` from argparse included). Each run saves the ~3-4 s an interpreter spends importing
+``gradsync.cli.main`` (``SystemExit`` from argparse included). Each run saves the ~3-4 s an interpreter spends importing
 torch, torch._dynamo and matplotlib; the command's own ranks are started exactly as from the console
 script. The console script itself is still run by a few tests (``CONSOLE``).
 """

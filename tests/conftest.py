@@ -11,4 +11,3 @@ try:  # torchvision's CUDA-built C++ ops do not load beside the CPU torch; Light
     torchvision_models()
 except ImportError:
     pass
-
