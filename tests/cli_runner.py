@@ -11,6 +11,7 @@ script. The console script itself is still run by a few tests (``CONSOLE``).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import subprocess
@@ -36,6 +37,7 @@ def _context():
 
 
 def _main(argv: list[str], env: dict[str, str], cwd: str | None, out_path: str, err_path: str) -> None:
+    gc.freeze()  # as a forked rank does (gradsync.launch): collections skip what the forkserver preloaded
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:

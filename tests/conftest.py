@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -11,3 +12,9 @@ try:  # torchvision's CUDA-built C++ ops do not load beside the CPU torch; Light
     torchvision_models()
 except ImportError:
     pass
+
+gc.freeze()  # this worker's collections skip the ~170k objects the imports above made
+
+
+def pytest_collection_finish(session):
+    gc.freeze()  # and those the test modules' imports made (Lightning, Transformers, ...)

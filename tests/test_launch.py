@@ -1,6 +1,7 @@
 """The local launcher (gradsync.launch.LocalRanks): results, environment, progress, and which rank
 is named when one dies."""
 
+import gc
 import os
 import signal
 import sys
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from gradsync.launch import LocalRanks, RankExit, RankFailure, rank_progress
+from gradsync.launch import LocalRanks, RankExit, RankFailure, imports_without_collection, rank_progress
 from gradsync.train.launcher import TrainingFailed, resume_command
 
 
@@ -31,6 +32,41 @@ def test_function_ranks_return_results_with_the_distributed_environment(start_me
     for r, env in enumerate(results):
         assert env == {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(ranks.port), "GLOO_SOCKET_IFNAME": f"if{r}", "EXTRA": "x"}
+
+
+def _frozen(rank, world):
+    return gc.get_freeze_count()
+
+
+def test_forked_ranks_freeze_what_they_inherit_and_the_launcher_does_not():
+    young = [[i] for i in range(1000)]  # tracked, not frozen in this process
+    before = gc.get_freeze_count()
+    counts = run_ranks_of(_frozen)
+    assert gc.get_freeze_count() == before, "the launcher's own collections are unchanged"
+    assert all(c >= before + len(young) for c in counts), (counts, before)
+
+
+def _start_up(rank, world):
+    gc.unfreeze()  # as a fresh interpreter: nothing frozen yet
+    with imports_without_collection():
+        paused = not gc.isenabled()
+        imported = [[i] for i in range(1000)]
+    return paused, gc.isenabled(), gc.get_freeze_count() >= len(imported)
+
+
+def test_imports_pause_the_collector_and_freeze_only_at_start_up():
+    assert run_ranks_of(_start_up) == [(True, True, True)] * 2
+    before = gc.get_freeze_count()  # this worker froze at start-up (conftest): a later call pins nothing
+    with imports_without_collection():
+        assert not gc.isenabled()
+        [[i] for i in range(1000)]
+    assert gc.isenabled() and gc.get_freeze_count() == before
+
+
+def run_ranks_of(fn):
+    with LocalRanks(2) as ranks:
+        ranks.start_function(fn, start_method="fork")
+        return ranks.join(timeout=120)
 
 
 def _die(rank, world, how):

@@ -21,7 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    from ..launch import imports_without_collection
+
+    with imports_without_collection():  # the subcommands' options import torch
+        parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -19,6 +19,8 @@ structured failures.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -30,15 +32,40 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from ..comm.rendezvous import free_port
 from .status import PROGRESS_ENV, RankExit, RankFailure, RankProgress, _read_step, rank_progress  # noqa: F401
 
+@contextlib.contextmanager
+def imports_without_collection() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a process imports torch and gradsync; in a process
+    that has frozen nothing yet (its start-up), then move everything imported into the permanent
+    generation (``gc.freeze``), so that a long-lived caller's later garbage is never pinned.
+
+    Importing torch makes ~170k long-lived objects; the collections the allocations trigger meanwhile
+    free nothing and took 20-25 % of the import's CPU time here (torch and gradsync's CLI: 2.7-4.0 s
+    against 2.1-3.0 s without them); later collections no longer walk the imported objects either."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 def _function_rank(rank: int, world: int, env: dict[str, str], fn: Callable[..., Any],
                    args: tuple, results: Any) -> None:
-    """Body of a function rank: set the environment, run ``fn`` and report its result or error."""
+    """Body of a function rank: set the environment, run ``fn`` and report its result or error.
+
+    A forked rank first moves the objects it inherited (torch's import alone makes ~170k) into the
+    garbage collector's permanent generation (``gc.freeze``, O(1)): its collections no longer walk
+    them, and their pages stay shared with the parent (Python's ``gc`` documentation, on fork)."""
+    gc.freeze()
     os.environ.update(env)
     try:
         value = fn(rank, world, *args)

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from .config import TrainConfig
+from ..launch import imports_without_collection
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     Raises:
         ValueError: if ``argv`` is not ``[CONFIG, RESULT]`` or the configuration is invalid.
     """
-    from ..launch import write_result
-    from .launcher import _run_rank
+    with imports_without_collection():
+        from ..launch import write_result
+        from .config import TrainConfig
+        from .launcher import _run_rank
 
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
