@@ -51,8 +51,8 @@ demo: setup
 reproduce: setup
 	$(PY) benchmarks/reproduce.py --out results
 
-# The layers of .importlinter first (an upward import fails the run), then the suite on 2 pytest-xdist workers:
-# much of it waits on rank start-up, pip and emulated links, so on 2 cores 728 s against 895 s in one process.
+# The layers of .importlinter first (an upward import fails the run), then the suite on 2 pytest-xdist workers,
+# which keep both cores busy (idle 4 % of a perf-sampled run; 3 or 4 workers were slower): 606 s here.
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest -q -n 2 tests --durations=15

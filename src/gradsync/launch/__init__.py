@@ -26,7 +26,6 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
