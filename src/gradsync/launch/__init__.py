@@ -37,6 +37,7 @@ from typing import IO, Any
 from ..comm.rendezvous import free_port
 from .status import PROGRESS_ENV, RankExit, RankFailure, RankProgress, _read_step, rank_progress  # noqa: F401
 
+
 @contextlib.contextmanager
 def imports_without_collection() -> Iterator[None]:
     """Pause the cyclic garbage collector while a process imports torch and gradsync; in a process
