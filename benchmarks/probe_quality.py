@@ -12,6 +12,13 @@ the inputs of
 ``--held-out`` measures PowerSGD r=4/8/16 on auto's out-of-sample workloads instead (the GRU, the MLP-Mixer and the
 plain MLP at 2 and 4 ranks), which the fit never reads: what the frozen model predicts for them.
 
+``--training-base fp16`` measures the same steps while the probe's copy trains on fp16's aggregate (the errors a
+probe riding on a job's first steps would see, :func:`~gradsync.profiler.probe.measure_quality`'s
+``training_base``) and prints each setting beside the frozen measurement of the same job and seed in
+``--compare`` (default: the fit's file): relative error, error-to-noise ratio and the fitted model's extra steps::
+
+    python benchmarks/probe_quality.py --seeds 0,1 --training-base fp16 --out benchmarks/data/probe_errors_training.json
+
 Loopback Gloo ranks (quality does not depend on the network); about 5 minutes on 2 cores.
 """
 
@@ -34,6 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=str(HERE / "data" / "probe_errors.json"))
     p.add_argument("--held-out", action="store_true", help="the out-of-sample workloads, not the fitted rows")
+    p.add_argument("--training-base", default=None,
+                   help="an entry (fp16): measure while the copy trains on its aggregate, not on a frozen copy")
+    p.add_argument("--compare", default=str(HERE / "data" / "probe_errors.json"),
+                   help="frozen measurements to print beside a --training-base run")
     args = p.parse_args(argv)
     from gradsync.bench.accuracy_costs import provenance
     from gradsync.profiler.probe import QUALITY_STEPS, measure_quality_on_loopback, quality_proxy
@@ -54,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         for seed in [int(s) for s in args.seeds.split(",")]:
             name, _, arch = model_key.partition(":")
             batch_size = get_workload(name, arch or None).defaults["batch_size"]
-            quality = measure_quality_on_loopback(model_key, batch_size, entries, world, seed=seed)
+            quality = measure_quality_on_loopback(model_key, batch_size, entries, world, seed=seed,
+                                                  training_base=args.training_base)
             print(model_key, world, seed, f"noise {quality.noise:.3f}",
                   {e: round(v, 3) for e, v in quality.errors.items()}, flush=True)
             out.append({"model": model_key, "world_size": world, "seed": seed, "noise": quality.noise,
@@ -62,9 +74,36 @@ def main(argv: list[str] | None = None) -> None:
                         "measured_as": {e: quality_proxy(e) for e in entries}})
     commit, machine = provenance(HERE)
     doc = {"schema": "gradsync-probe-errors/2", "command": "python benchmarks/probe_quality.py " + " ".join(argv or sys.argv[1:]),
-           "commit": commit, "machine": machine, "quality_steps": QUALITY_STEPS, "jobs": out}
+           "commit": commit, "machine": machine, "quality_steps": QUALITY_STEPS,
+           "training_base": args.training_base, "jobs": out}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print("wrote", args.out)
+    if args.training_base is not None and Path(args.compare).exists():
+        print_beside(json.loads(Path(args.compare).read_text())["jobs"], out)
+
+
+def print_beside(frozen: list[dict], training: list[dict]) -> None:
+    """Per job, seed and setting: the frozen and the training measurement's relative error, error-to-noise
+    ratio (:func:`~gradsync.algorithms.meter.error_to_noise`) and the fitted quality model's extra steps
+    (the strictest family's limit), as a markdown table."""
+    from gradsync.algorithms.meter import error_to_noise
+    from gradsync.profiler.quality_model import FITTED
+
+    by_key = {(j["model"], j["world_size"], j["seed"]): j for j in frozen}
+    print("| model | ranks | seed | setting | error frozen / training | ratio frozen / training "
+          "| extra steps frozen / training |")
+    print("|---|---|---|---|---|---|---|")
+    for j in training:
+        f = by_key.get((j["model"], j["world_size"], j["seed"]))
+        if f is None:
+            continue
+        for e, err in j["errors"].items():
+            if e == "allreduce" or e not in f["errors"]:
+                continue
+            ratios = [error_to_noise(x["errors"][e], x["noise"], x["world_size"]) for x in (f, j)]
+            extra = [FITTED.extra_steps(x["errors"][e], x["noise"], x["world_size"], None) for x in (f, j)]
+            print(f"| {j['model']} | {j['world_size']} | {j['seed']} | {e} | {f['errors'][e]:.3f} / {err:.3f} "
+                  f"| {ratios[0]:.3f} / {ratios[1]:.3f} | {extra[0]:.2f} / {extra[1]:.2f} |")
 
 
 if __name__ == "__main__":

@@ -262,6 +262,53 @@ def _noise(rank, world):
     return measured.noise, float((sums[0] / sums[1]).sqrt())
 
 
+def _training_noise(rank, world):
+    import copy
+
+    import torch.distributed as dist
+
+    from gradsync.profiler.probe import QUALITY_STEPS, measure_quality
+
+    model, batches = _job(rank)
+    before = [p.detach().clone() for p in model.parameters()]
+    entries = ["allreduce", "fp16", "powersgd-overlap:matrix_approximation_rank=4"]
+    measured = measure_quality(model, batches, F.cross_entropy, _optimizer, entries, bucket_cap_mb=0.005,
+                               reference_fraction=1.0, training_base="fp16")
+    frozen = measure_quality(model, batches, F.cross_entropy, _optimizer, entries, bucket_cap_mb=0.005,
+                             reference_fraction=1.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy trained
+    local = copy.deepcopy(model)
+    opt = _optimizer(local.parameters())
+    sums = torch.zeros(2, dtype=torch.float64)
+    for x, y in batches[:QUALITY_STEPS]:  # the job's first batches, each step training on the dense average
+        opt.zero_grad()
+        F.cross_entropy(local(x), y).backward()
+        g = torch.cat([p.grad.flatten() for p in local.parameters()]).double()
+        d = g.clone()
+        dist.all_reduce(d)
+        d /= world
+        sums += torch.stack([(g - d).pow(2).sum(), d.pow(2).sum()])
+        offset = 0
+        for p in local.parameters():
+            p.grad.copy_(d[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        opt.step()
+    dist.all_reduce(sums)
+    return measured, frozen, float((sums[0] / sums[1]).sqrt())
+
+
+def test_errors_measured_while_the_copy_trains_on_a_base_setting():
+    """``training_base``: the copy steps its optimizer on fp16's aggregate while every entry is metered beside it
+    (what a probe riding on a job's first steps sees): the noise is that of a model trained on the dense
+    average (fp16 rounding apart), not the frozen model's; exact and near-exact entries stay near 0."""
+    (measured, frozen, direct), (measured1, frozen1, direct1) = run_ranks(_training_noise, 2, timeout=180)
+    assert measured == measured1 and frozen == frozen1 and direct == direct1  # every rank alike
+    # (here the frozen model's noise lies 1.1 % off; fp16's rounding moves the trained one by ~4e-8)
+    assert abs(measured.noise - direct) < 1e-5 * direct and abs(frozen.noise - measured.noise) > 5e-3 * direct
+    assert measured.errors["allreduce"] < 1e-6 and 0 < measured.errors["fp16"] < 1e-3
+    assert 0.05 < measured.errors["powersgd-overlap:matrix_approximation_rank=4"] < 2
+
+
 def test_the_gradient_noise_is_one_ranks_gradient_against_the_dense_average():
     """The unit of the quality model: sqrt(mean over ranks of sum ||g_i - d||^2 / sum ||d||^2) over the
     measured steps, computed here from each rank's own gradients and their all-reduced average."""

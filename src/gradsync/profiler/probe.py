@@ -289,6 +289,32 @@ class _ProbeCopy:
         self.noise = noise
         return dict(zip(entries, errors))
 
+    def measure_errors_training(self, entries: Sequence[str], steps: int, base: str) -> dict[str, float]:
+        """Collective: :meth:`measure_errors`, but the copy trains while it is measured, as a job would: each
+        of the ``steps`` steps (the next batches, cycled) steps the optimizer on the aggregate of the
+        ``base`` entry's hook (its result is DDP's), and every entry is metered beside it on copies of the
+        same buckets. The errors then depend on the base and on what was measured before (the copy
+        trained), so a second call measures other parameters."""
+        metered = [base, *(e for e in entries if e != base)]  # a hook runs once per bucket
+        self.add(metered)
+        hooks, primary = self.meter.hooks, self.meter.primary
+        self.meter.hooks = [LOCAL_GRADIENT] + [hooks[self.entries.index(e)] for e in metered]
+        self.meter.primary = 1
+        self.meter.restart_sample()
+        self.meter.on = True
+        self.meter.reset()
+        try:
+            self.train(steps)
+        finally:
+            self.meter.on = False
+            sums = self.meter.sums()
+            self.meter.hooks, self.meter.primary = hooks, primary
+        dist.all_reduce(sums, group=self.process_group)
+        noise, *errors = relative_errors(sums / dist.get_world_size(self.process_group))
+        self.noise = noise
+        measured = dict(zip(metered, errors))
+        return {e: measured[e] for e in entries}
+
     def time(self, entries: Sequence[str], steps: int, factors: Optional[Mapping[str, float]] = None,
              min_steps: int = RACE_MIN_STEPS) -> dict[str, CandidateProbe]:
         """Collective: up to ``steps`` timed steps of each entry, taken in rounds (entry 1, entry 2, ...,
@@ -367,12 +393,16 @@ class QualityProbe(_ProbeCopy):
 def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callable,
                     make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                     bucket_cap_mb: float, *, steps: int = QUALITY_STEPS, process_group: Any = None, seed: int = 0,
-                    steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION) -> MeasuredQuality:
+                    steps_per_epoch: int = 0, reference_fraction: float = REFERENCE_FRACTION,
+                    training_base: Optional[str] = None) -> MeasuredQuality:
     """Collective: the relative error of every entry's aggregate against dense all-reduce on this
     job's gradients (:class:`QualityProbe`): all entries at once on one copy of ``model`` that does
     not train (``model``'s parameters, its first ``steps`` batches); per step each entry's own collectives plus a dense all-reduce of
     ``reference_fraction`` of every gradient tensor's elements (in (0, 1]; sampled alike on every
     rank), over ``steps`` steps after :data:`START_STEPS` start-up steps. ``model`` is not changed.
+    With ``training_base`` (an entry, e.g. ``fp16``) the copy trains on that entry's aggregate while the
+    entries are metered beside it (:meth:`_ProbeCopy.measure_errors_training`): the errors a probe riding on
+    a job's first steps would see, instead of the frozen model's the quality model was fitted on.
 
     Args:
         entries: communication hooks that issue their collectives from the hook body (``fp16``,
@@ -388,6 +418,14 @@ def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
         ValueError: for an empty ``batches``, ``steps`` < 1, ``reference_fraction`` outside (0, 1]
             or an entry that is no communication hook.
     """
+    if training_base is not None:
+        steps = check_int("steps", steps, 1, 1000)
+        copy_ = _ProbeCopy(model, [], batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
+                           steps_per_epoch, sample_fraction=reference_fraction)
+        proxies = list(dict.fromkeys(quality_proxy(e) for e in entries))
+        errors = copy_.measure_errors_training(proxies, steps, training_base)
+        copy_.close()
+        return MeasuredQuality({e: errors[quality_proxy(e)] for e in entries}, copy_.noise, copy_.family)
     probe = QualityProbe(model, batches, loss_fn, make_optimizer, entries, bucket_cap_mb, steps=steps,
                          process_group=process_group, seed=seed, steps_per_epoch=steps_per_epoch,
                          reference_fraction=reference_fraction)
@@ -598,7 +636,7 @@ def _job_on_rank(model_spec: str, batch_size: int, rank: int, world: int, data_d
 
 def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size: int, entries: list,
                    bucket_cap_mb: Optional[float], data_dir: Any, seed: int,
-                   reference_fraction: float, compression: bool) -> MeasuredQuality:
+                   reference_fraction: float, compression: bool, training_base: Optional[str]) -> MeasuredQuality:
     import datetime
 
     from ..comm.buckets import resolve_bucket_cap_mb
@@ -610,7 +648,7 @@ def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size
         model, batches, loss_fn, make_optimizer = _job_on_rank(model_spec, batch_size, rank, world, data_dir, seed)
         cap = resolve_bucket_cap_mb("auto", model) if bucket_cap_mb is None else bucket_cap_mb
         measured = measure_quality(model, batches, loss_fn, make_optimizer, entries, cap, seed=seed,
-                                   reference_fraction=reference_fraction)
+                                   reference_fraction=reference_fraction, training_base=training_base)
         if not compression:
             return measured
         seconds = compression_seconds(model, batches[0], loss_fn, make_optimizer, entries, cap, seed=seed)
@@ -622,7 +660,7 @@ def _loopback_rank(rank: int, world: int, port: int, model_spec: str, batch_size
 def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Sequence[str], world_size: int,
                                 bucket_cap_mb: Optional[float] = None, data_dir: Any = None, seed: int = 0,
                                 reference_fraction: float = REFERENCE_FRACTION,
-                                compression: bool = False) -> MeasuredQuality:
+                                compression: bool = False, training_base: Optional[str] = None) -> MeasuredQuality:
     """:func:`measure_quality` of ``entries`` on ``world_size`` forked Gloo ranks on 127.0.0.1 (the
     error does not depend on the network), for a model spec of
     :func:`~gradsync.profiler.profile.model_for_profile`, each rank on its own batches: a training
@@ -630,7 +668,8 @@ def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Seque
     with its recipe optimizer, any other model on ``make_batch`` batches with SGD (momentum 0.9,
     learning rate 0.01; the probe does not step it). ``bucket_cap_mb`` None: the size gradsync picks for the
     model (:func:`~gradsync.comm.buckets.resolve_bucket_cap_mb`). With ``compression``, also each
-    entry's :func:`compression_seconds` (on one thread per rank). What ``gradsync doctor`` and
+    entry's :func:`compression_seconds` (on one thread per rank); with ``training_base``, errors measured while
+    the copy trains on that entry (:func:`measure_quality`). What ``gradsync doctor`` and
     ``benchmarks/probe_quality.py`` measure.
 
     Raises:
@@ -644,6 +683,7 @@ def measure_quality_on_loopback(model_spec: str, batch_size: int, entries: Seque
     port = free_port()
     with mp.get_context("fork").Pool(world_size) as pool:
         results = pool.starmap(_loopback_rank, [(r, world_size, port, model_spec, batch_size, list(entries),
-                                                 bucket_cap_mb, data_dir, seed, reference_fraction, compression)
+                                                 bucket_cap_mb, data_dir, seed, reference_fraction, compression,
+                                                 training_base)
                                                 for r in range(world_size)])
     return results[0]
