@@ -3,6 +3,12 @@ its leave-one-workload-out cross-validated error.
 
     python benchmarks/fit_quality_model.py [--costs benchmarks/data/accuracy_costs.json]
                                            [--errors benchmarks/data/probe_errors.json]
+                                           [--held-out-costs benchmarks/data/accuracy_costs_held_out.json
+                                            --held-out-errors benchmarks/data/probe_errors_held_out.json]
+
+With ``--held-out-costs`` and ``--held-out-errors`` the fit (frozen by its inputs) also predicts every held-out row
+whose setting was measured (its quality proxy's error: torch's PowerSGD as the overlapped one), and prints each
+prediction against the outcome: out of sample, unlike the leave-one-workload-out figure.
 
 A point is a row of the accuracy costs (a setting's steps to quality against dense in the same grid)
 with the start-up error ``benchmarks/probe_quality.py`` measured for that setting on that model and
@@ -24,8 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 
-def points(costs_path: str, errors_path: str):
+def points(costs_path: str, errors_path: str, skip_unmeasured: bool = False):
     from gradsync.algorithms import split_dense_tail
+    from gradsync.profiler.probe import quality_proxy
     from gradsync.profiler.quality_model import QualityPoint
 
     rows = json.load(open(costs_path))["rows"]
@@ -41,6 +48,10 @@ def points(costs_path: str, errors_path: str):
         if tail and not r["not_reached"]:
             continue
         key = (r["model"], r["world_size"], r["entry"])
+        if key not in measured and skip_unmeasured:
+            key = (r["model"], r["world_size"], quality_proxy(split_dense_tail(r["entry"])[0]))
+            if key not in measured:
+                continue
         if key not in measured:
             raise SystemExit(f"no probe error for {key}: run benchmarks/probe_quality.py")
         extra = math.inf if r["not_reached"] else r["steps"] / r["dense_steps"] - 1
@@ -53,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--costs", default=str(HERE / "data" / "accuracy_costs.json"))
     p.add_argument("--errors", default=str(HERE / "data" / "probe_errors.json"))
+    p.add_argument("--held-out-costs", default=None, help="accuracy costs of workloads the fit never reads")
+    p.add_argument("--held-out-errors", default=None, help="probe errors measured on those workloads")
     args = p.parse_args(argv)
     from gradsync.profiler.quality_model import cross_validate, fit
 
@@ -68,6 +81,27 @@ def main(argv: list[str] | None = None) -> None:
           f"{cv['workloads']} workloads; mean absolute error of the extra-steps fraction {cv['mae_extra']:.3f}")
     for q in cv["wrong"]:
         print(f"  held out, called wrong: {q.workload} {q.entry} (ratio {q.ratio:.3f}, {'missed' if math.isinf(q.extra) else 'reached'})")
+    if args.held_out_costs and args.held_out_errors:
+        predict_held_out(model, points(args.held_out_costs, args.held_out_errors, skip_unmeasured=True))
+
+
+def predict_held_out(model, pts) -> None:
+    """Print ``model``'s prediction for each held-out point beside its outcome, and the count called wrong."""
+    from gradsync.profiler.quality_model import optimizer_family
+
+    wrong, abs_err = 0, []
+    for q in sorted(pts, key=lambda q: (q.workload, q.error)):
+        pred = model.extra_steps(q.error, q.noise, q.world_size, optimizer_family(q.optimizer))
+        bad = math.isfinite(pred) != math.isfinite(q.extra)
+        wrong += bad
+        if not bad and math.isfinite(pred):
+            abs_err.append(abs(pred - q.extra))
+        shown = ["miss" if math.isinf(v) else f"{v:+.3f}" for v in (pred, q.extra)]
+        print(f"  out of sample: {q.workload:<28} {q.entry:<52} ratio {q.ratio:6.3f} predicted {shown[0]:>7} "
+              f"measured {shown[1]:>7}{'  WRONG' if bad else ''}")
+    mae = sum(abs_err) / len(abs_err) if abs_err else 0.0
+    print(f"out of sample: {wrong} of {len(pts)} points misclassified (reach/miss); mean absolute error of the "
+          f"extra-steps fraction {mae:.3f}")
 
 
 if __name__ == "__main__":

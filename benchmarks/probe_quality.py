@@ -9,8 +9,9 @@ the inputs of
     python benchmarks/probe_quality.py [--seeds 0,1,2] [--out benchmarks/data/probe_errors.json]
     python benchmarks/probe_quality.py --held-out --seeds 0,1 --out benchmarks/data/probe_errors_held_out.json
 
-``--held-out`` measures PowerSGD r=4/8/16 on auto's out-of-sample workloads instead (the GRU, the MLP-Mixer and the
-plain MLP at 2 and 4 ranks), which the fit never reads: what the frozen model predicts for them.
+``--held-out`` measures PowerSGD r=1/2/4/8/16 on auto's out-of-sample workloads instead (the GRU, the MLP-Mixer, the
+plain MLP and the MobileNetV2-style CNN at 2 and 4 ranks), which the fit never reads: what the frozen model predicts
+for them (``benchmarks/fit_quality_model.py --held-out-costs ... --held-out-errors ...``).
 
 ``--training-base fp16`` measures the same steps while the probe's copy trains on fp16's aggregate (the errors a
 probe riding on a job's first steps would see, :func:`~gradsync.profiler.probe.measure_quality`'s
@@ -32,7 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 #: auto's out-of-sample workloads: never in a fit (the ViT was one until its rows entered the fit, seventh session)
-HELD_OUT = ("fashion-mnist:gru", "fashion-mnist:mixer", "fashion-mnist:mlp")
+HELD_OUT = ("fashion-mnist:gru", "fashion-mnist:mixer", "fashion-mnist:mlp", "fashion-mnist:mobilenet")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from gradsync.workloads import get_workload
 
     if args.held_out:
-        ranks = [f"powersgd-overlap:matrix_approximation_rank={r}" for r in (4, 8, 16)]
+        ranks = [f"powersgd-overlap:matrix_approximation_rank={r}" for r in (1, 2, 4, 8, 16)]
         jobs = {(model, world): ranks for model in HELD_OUT for world in (2, 4)}
     else:
         jobs: dict[tuple[str, int], list[str]] = {}

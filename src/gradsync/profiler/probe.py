@@ -416,16 +416,16 @@ def measure_quality(model: nn.Module, batches: Sequence[Batch], loss_fn: Callabl
 
     Raises:
         ValueError: for an empty ``batches``, ``steps`` < 1, ``reference_fraction`` outside (0, 1]
-            or an entry that is no communication hook.
+            or an entry (or ``training_base``) that is no communication hook.
     """
     if training_base is not None:
         steps = check_int("steps", steps, 1, 1000)
-        copy_ = _ProbeCopy(model, [], batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
-                           steps_per_epoch, sample_fraction=reference_fraction)
+        trained = _ProbeCopy(model, [], batches, loss_fn, make_optimizer, bucket_cap_mb, process_group, seed,
+                             steps_per_epoch, sample_fraction=reference_fraction)
         proxies = list(dict.fromkeys(quality_proxy(e) for e in entries))
-        errors = copy_.measure_errors_training(proxies, steps, training_base)
-        copy_.close()
-        return MeasuredQuality({e: errors[quality_proxy(e)] for e in entries}, copy_.noise, copy_.family)
+        errors = trained.measure_errors_training(proxies, steps, training_base)
+        trained.close()
+        return MeasuredQuality({e: errors[quality_proxy(e)] for e in entries}, trained.noise, trained.family)
     probe = QualityProbe(model, batches, loss_fn, make_optimizer, entries, bucket_cap_mb, steps=steps,
                          process_group=process_group, seed=seed, steps_per_epoch=steps_per_epoch,
                          reference_fraction=reference_fraction)
