@@ -238,36 +238,47 @@ def _staged(rank, world):
     return together.errors, staged.errors
 
 
-def _noise(rank, world):
+def _direct_noise(model, batches, world, train):
+    """The gradient noise over the probe's measured steps (the job's first batches) from each rank's own gradient
+    and the all-reduced average; with ``train`` a copy of ``model`` steps on that average after each."""
     import copy
 
     import torch.distributed as dist
 
-    from gradsync.profiler.probe import QUALITY_STEPS, measure_quality
+    from gradsync.profiler.probe import QUALITY_STEPS
 
-    model, batches = _job(rank)
-    measured = measure_quality(model, batches, F.cross_entropy, _optimizer, ["fp16"], bucket_cap_mb=0.005,
-                               reference_fraction=1.0)
     local = copy.deepcopy(model)
+    opt = _optimizer(local.parameters())
     sums = torch.zeros(2, dtype=torch.float64)
-    for x, y in batches[:QUALITY_STEPS]:  # the probe's measured steps: the job's first batches, nothing trains
-        local.zero_grad()
+    for x, y in batches[:QUALITY_STEPS]:
+        opt.zero_grad()
         F.cross_entropy(local(x), y).backward()
         g = torch.cat([p.grad.flatten() for p in local.parameters()]).double()
         d = g.clone()
         dist.all_reduce(d)
         d /= world
         sums += torch.stack([(g - d).pow(2).sum(), d.pow(2).sum()])
+        if train:
+            offset = 0
+            for p in local.parameters():
+                p.grad.copy_(d[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            opt.step()
     dist.all_reduce(sums)
-    return measured.noise, float((sums[0] / sums[1]).sqrt())
+    return float((sums[0] / sums[1]).sqrt())
+
+
+def _noise(rank, world):
+    from gradsync.profiler.probe import measure_quality
+
+    model, batches = _job(rank)
+    measured = measure_quality(model, batches, F.cross_entropy, _optimizer, ["fp16"], bucket_cap_mb=0.005,
+                               reference_fraction=1.0)
+    return measured.noise, _direct_noise(model, batches, world, train=False)
 
 
 def _training_noise(rank, world):
-    import copy
-
-    import torch.distributed as dist
-
-    from gradsync.profiler.probe import QUALITY_STEPS, measure_quality
+    from gradsync.profiler.probe import measure_quality
 
     model, batches = _job(rank)
     before = [p.detach().clone() for p in model.parameters()]
@@ -277,24 +288,7 @@ def _training_noise(rank, world):
     frozen = measure_quality(model, batches, F.cross_entropy, _optimizer, entries, bucket_cap_mb=0.005,
                              reference_fraction=1.0)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy trained
-    local = copy.deepcopy(model)
-    opt = _optimizer(local.parameters())
-    sums = torch.zeros(2, dtype=torch.float64)
-    for x, y in batches[:QUALITY_STEPS]:  # the job's first batches, each step training on the dense average
-        opt.zero_grad()
-        F.cross_entropy(local(x), y).backward()
-        g = torch.cat([p.grad.flatten() for p in local.parameters()]).double()
-        d = g.clone()
-        dist.all_reduce(d)
-        d /= world
-        sums += torch.stack([(g - d).pow(2).sum(), d.pow(2).sum()])
-        offset = 0
-        for p in local.parameters():
-            p.grad.copy_(d[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        opt.step()
-    dist.all_reduce(sums)
-    return measured, frozen, float((sums[0] / sums[1]).sqrt())
+    return measured, frozen, _direct_noise(model, batches, world, train=True)
 
 
 def test_errors_measured_while_the_copy_trains_on_a_base_setting():

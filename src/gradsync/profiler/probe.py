@@ -268,26 +268,14 @@ class _ProbeCopy:
         the forward passes draw the same random numbers at every call, so an entry's error does not
         depend on which entries are measured with it, nor when: a later call measures more entries
         exactly as one call would have measured them all."""
-        self.add(entries)
-        hooks, primary = self.meter.hooks, self.meter.primary
-        self.meter.hooks = [LOCAL_GRADIENT] + [hooks[self.entries.index(e)] for e in entries]
-        self.meter.primary = 0
-        self.meter.restart_sample()
-        self.meter.on = True
-        self.meter.reset()
         device = next(self.local.parameters()).device
-        try:
+
+        def frozen_steps() -> None:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 torch.manual_seed(self.seed)
                 self._backward(range(steps))
-        finally:
-            self.meter.on = False
-            sums = self.meter.sums()
-            self.meter.hooks, self.meter.primary = hooks, primary
-        dist.all_reduce(sums, group=self.process_group)
-        noise, *errors = relative_errors(sums / dist.get_world_size(self.process_group))
-        self.noise = noise
-        return dict(zip(entries, errors))
+
+        return self._metered(list(entries), None, frozen_steps)
 
     def measure_errors_training(self, entries: Sequence[str], steps: int, base: str) -> dict[str, float]:
         """Collective: :meth:`measure_errors`, but the copy trains while it is measured, as a job would: each
@@ -295,16 +283,23 @@ class _ProbeCopy:
         ``base`` entry's hook (its result is DDP's), and every entry is metered beside it on copies of the
         same buckets. The errors then depend on the base and on what was measured before (the copy
         trained), so a second call measures other parameters."""
-        metered = [base, *(e for e in entries if e != base)]  # a hook runs once per bucket
+        return self._metered([base, *(e for e in entries if e != base)], base, lambda: self.train(steps),
+                             wanted=entries)  # (a hook runs once per bucket: the base is not metered twice)
+
+    def _metered(self, metered: list[str], base: Optional[str], run: Callable[[], Any],
+                 wanted: Optional[Sequence[str]] = None) -> dict[str, float]:
+        """Run ``run()`` with the meter on over the rank's own gradient (the noise) and the ``metered``
+        entries, DDP receiving ``base``'s result (None: the rank's own gradient); the all-reduced relative
+        errors of ``wanted`` (default: every metered entry)."""
         self.add(metered)
         hooks, primary = self.meter.hooks, self.meter.primary
         self.meter.hooks = [LOCAL_GRADIENT] + [hooks[self.entries.index(e)] for e in metered]
-        self.meter.primary = 1
+        self.meter.primary = 0 if base is None else 1 + metered.index(base)
         self.meter.restart_sample()
         self.meter.on = True
         self.meter.reset()
         try:
-            self.train(steps)
+            run()
         finally:
             self.meter.on = False
             sums = self.meter.sums()
@@ -313,7 +308,7 @@ class _ProbeCopy:
         noise, *errors = relative_errors(sums / dist.get_world_size(self.process_group))
         self.noise = noise
         measured = dict(zip(metered, errors))
-        return {e: measured[e] for e in entries}
+        return {e: measured[e] for e in (metered if wanted is None else wanted)}
 
     def time(self, entries: Sequence[str], steps: int, factors: Optional[Mapping[str, float]] = None,
              min_steps: int = RACE_MIN_STEPS) -> dict[str, CandidateProbe]:
