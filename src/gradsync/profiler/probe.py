@@ -213,7 +213,8 @@ class _ProbeCopy:
     :class:`QualityMeter` over the entries' hooks (one bucket for ``one_bucket``), on the job's
     batches. After construction it has run :data:`START_STEPS` untrained start steps (DDP's bucket
     rebuild; nothing sent), its parameters are still ``model``'s and every hook compresses from its
-    next step. :meth:`measure_errors` measures entries without training the copy; :meth:`time` trains it."""
+    next step. :meth:`measure_errors` measures entries without training the copy;
+    :meth:`measure_errors_training` and :meth:`time` train it."""
 
     def __init__(self, model: nn.Module, entries: Sequence[str], batches: Sequence[Batch], loss_fn: Callable,
                  make_optimizer: Callable, bucket_cap_mb: float, process_group: Any, seed: int,
@@ -283,14 +284,14 @@ class _ProbeCopy:
         ``base`` entry's hook (its result is DDP's), and every entry is metered beside it on copies of the
         same buckets. The errors then depend on the base and on what was measured before (the copy
         trained), so a second call measures other parameters."""
-        return self._metered([base, *(e for e in entries if e != base)], base, lambda: self.train(steps),
-                             wanted=entries)  # (a hook runs once per bucket: the base is not metered twice)
+        # a hook runs once per bucket: the base is not metered twice
+        measured = self._metered([base, *(e for e in entries if e != base)], base, lambda: self.train(steps))
+        return {e: measured[e] for e in entries}
 
-    def _metered(self, metered: list[str], base: Optional[str], run: Callable[[], Any],
-                 wanted: Optional[Sequence[str]] = None) -> dict[str, float]:
+    def _metered(self, metered: list[str], base: Optional[str], run: Callable[[], Any]) -> dict[str, float]:
         """Run ``run()`` with the meter on over the rank's own gradient (the noise) and the ``metered``
-        entries, DDP receiving ``base``'s result (None: the rank's own gradient); the all-reduced relative
-        errors of ``wanted`` (default: every metered entry)."""
+        entries, DDP receiving ``base``'s result (None: the rank's own gradient); each metered entry's
+        all-reduced relative error."""
         self.add(metered)
         hooks, primary = self.meter.hooks, self.meter.primary
         self.meter.hooks = [LOCAL_GRADIENT] + [hooks[self.entries.index(e)] for e in metered]
@@ -307,8 +308,7 @@ class _ProbeCopy:
         dist.all_reduce(sums, group=self.process_group)
         noise, *errors = relative_errors(sums / dist.get_world_size(self.process_group))
         self.noise = noise
-        measured = dict(zip(metered, errors))
-        return {e: measured[e] for e in (metered if wanted is None else wanted)}
+        return dict(zip(metered, errors))
 
     def time(self, entries: Sequence[str], steps: int, factors: Optional[Mapping[str, float]] = None,
              min_steps: int = RACE_MIN_STEPS) -> dict[str, CandidateProbe]:
