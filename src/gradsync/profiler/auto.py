@@ -62,7 +62,7 @@ from .profile import ccr_at, record_profile
 from .quality_model import unwrap_optimizer
 
 __all__ = ["AUTO", "CCR_BUDGET_S", "CCR_PROBE_SHARE", "DDP_CONTENDER", "PROBE_SHARE", "SHORTLIST", "AutoDecision",
-           "agreed_profile", "decide", "effective_bandwidth_mbit", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
+           "agreed_profile", "decide", "effective_bandwidth_mbit", "measure_start", "optimizer_factory", "probe_batches", "register_auto", "resolve_auto"]
 
 _REFERENCE_MBIT = 1000.0
 
@@ -406,6 +406,24 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
     if world < 2:
         raise ValueError(f"world size must be >= 2 for algorithm 'auto' (nothing to synchronise); got {world}")
     t0 = time.perf_counter()
+    prof, allreduce_s, phases = measure_start(model, batches, loss_fn, make_optimizer, workload, batch_size,
+                                              bucket_cap_mb, allowed, group, job_steps)
+    t2 = time.perf_counter()
+    decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, bucket_cap_mb,
+                      allowed=allowed, group=group, seed=seed, job_steps=job_steps, spent_s=t2 - t0)
+    phases = {**phases, **decision.phases}
+    return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0, phases=phases)
+
+
+def measure_start(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
+                  make_optimizer: Callable, workload: str, batch_size: int, bucket_cap_mb: float,
+                  allowed: Callable[[str], bool], group: Any, job_steps: int | None) -> tuple[Profile, float, dict]:
+    """Collective: step 1 of the module docstring: ``(prof, allreduce_s, phases)``, the compute profile of a
+    copy of ``model`` (3 iterations) and the dense all-reduce time of its buckets (seconds), both MAX over
+    the ranks, and what each took (seconds: ``profile``, ``ccr``). The all-reduce is repeated within
+    :data:`CCR_PROBE_SHARE` of the probe's budget where ``job_steps`` is known, else :data:`CCR_BUDGET_S`."""
+    world = dist.get_world_size(group)
+    t0 = time.perf_counter()
     it = iter(list(batches) * 8)
     prof = record_profile(copy.deepcopy(model), lambda: next(it), loss_fn, make_optimizer, workload, batch_size,
                           bucket_cap_mb, iterations=3)
@@ -420,11 +438,7 @@ def resolve_auto(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch
 
     ccr = measure_ccr([b.numel for b in prof.buckets], prof.backward_s, group=group, budget_s=ccr_budget)
     prof, allreduce_s = agreed_profile(prof, ccr.allreduce_s, group)
-    t2 = time.perf_counter()
-    decision = decide(prof, allreduce_s, model, batches, loss_fn, make_optimizer, bucket_cap_mb,
-                      allowed=allowed, group=group, seed=seed, job_steps=job_steps, spent_s=t2 - t0)
-    phases = {"profile": t1 - t0, "ccr": t2 - t1, **decision.phases}
-    return dataclasses.replace(decision, probe_seconds=time.perf_counter() - t0, phases=phases)
+    return prof, allreduce_s, {"profile": t1 - t0, "ccr": time.perf_counter() - t1}
 
 
 def optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:

@@ -1,0 +1,429 @@
+"""``--algorithm auto`` decided on the job's own first steps: the probe's steps train the job.
+
+The start-up probe (:mod:`gradsync.profiler.auto`) measures on private copies of the model, so every
+second it spends is start-up time: on a 1-epoch MobileNetV2-style job at 2 hosts x 15 Mbit/s it was
+5.4 s of a 38.1 s job, more than issue 31's 10 % bar by itself. Here only the cheap part runs before
+training (:func:`plan_online`: the compute profile, the dense all-reduce, each lossy hook's own
+computation and the 16-bit casts' error, as in :func:`~gradsync.profiler.auto.resolve_auto`), and the
+rest rides on the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
+
+1. **start** (:data:`~gradsync.profiler.probe.START_STEPS` iterations): the job trains on the lossless
+   ``base`` (DDP or a 16-bit cast: :func:`~gradsync.profiler.auto._untimed_cast`), DDP rebuilds its buckets;
+2. **meter** (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations): the job still trains on the base's
+   aggregate while every lossy candidate runs on copies of the same buckets under a
+   :class:`~gradsync.algorithms.meter.QualityMeter` (their relative error against a dense all-reduce of
+   :data:`~gradsync.algorithms.meter.REFERENCE_FRACTION` of each gradient tensor, and the gradient noise);
+   the probe's only extra cost is the candidates' traffic and computation, not the forward and backward
+   passes. This is :meth:`~gradsync.profiler.probe._ProbeCopy.measure_errors_training`'s arrangement, on
+   the job itself;
+3. **race**: the all-reduced errors go through the quality model and the simulator
+   (:func:`~gradsync.profiler.advise.advise`); the short-list then trains the job in rounds (one step of
+   each, a fresh hook state each, so no residual measured on another setting's training is sent), each
+   step timed as the period between its first bucket and the next step's (a device-synchronising clock:
+   the whole iteration as the job runs it); after :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds
+   the medians (MAX over ranks) eliminate (:func:`~gradsync.profiler.probe.race`) until one is left, the
+   rest tie, or :data:`~gradsync.profiler.probe.TIMED_STEPS` rounds were run;
+4. **settled**: the least timed iteration x (1 + predicted extra steps)
+   (:func:`~gradsync.profiler.advise.advise`, as the start-up probe chooses) trains the rest of the job;
+   the winner keeps the state it raced with.
+
+Every decision is taken at the first bucket of an iteration from all-reduced numbers (one all-reduce
+from the hook body), so every rank runs the same hooks. The probe's cost is what its steps took beyond
+the chosen setting's: the metered steps' extra traffic and the race's slower candidates
+(:meth:`OnlineAutoState.probe_excess_seconds`), plus :func:`plan_online`'s start-up.
+
+A checkpoint taken after the decision resumes the chosen setting with its state; one taken before it
+resumes on the base and measures again from the resumed step (every rank loads the same checkpoint, so
+every rank measures alike).
+"""
+
+# No "from __future__ import annotations": DDP checks the hook annotations at runtime.
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..algorithms.base import HookState, compression_ratio
+from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
+from ..comm.collectives import collective_device
+from ..sim.profile import Profile
+from .advise import CASTS, LOW_CCR, advise, is_hook, worth_measuring
+from .compute import device_clock
+from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
+                    cast_errors, compression_seconds, quality_proxy, race)
+from .quality_model import optimizer_family
+
+__all__ = ["OnlinePlan", "OnlineAutoState", "online_auto_hook", "plan_online"]
+
+#: The counters of a hook's ``stats()`` that add up over every hook the job ran.
+_COUNTERS = ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped")
+
+
+@dataclass(frozen=True)
+class OnlinePlan:
+    """What :func:`plan_online` measured before training, the same on every rank.
+
+    Attributes:
+        prof: the agreed compute profile (seconds; MAX over ranks).
+        world_size: ranks.
+        bandwidth_mbit: the measured network as one link rate (Mbit/s;
+            :func:`~gradsync.profiler.auto.effective_bandwidth_mbit`).
+        base: the lossless entry the job trains on until the decision (``allreduce``, ``fp16`` or ``bf16``).
+        metered: the lossy candidates metered on the job's steps (entries that work on any bucket layout).
+        errors: ``{entry: relative error}`` known before training (the 16-bit casts').
+        overheads: ``{entry: seconds}`` each lossy hook computes per step (compression; added to its
+            simulated iteration).
+        family: the optimizer family the quality model judges errors against.
+        race_budget_s: seconds the race's excess over its best candidate may cost (``math.inf``: no budget).
+        setup_seconds: what :func:`plan_online` took (seconds, MAX over ranks).
+        phases: its cost by step (seconds: ``profile``, ``ccr``, ``compression``).
+        shortlist: candidates raced besides DDP.
+    """
+
+    prof: Profile
+    world_size: int
+    bandwidth_mbit: float
+    base: str
+    metered: tuple = ()
+    errors: dict = field(default_factory=dict)
+    overheads: dict = field(default_factory=dict)
+    family: Optional[str] = None
+    race_budget_s: float = math.inf
+    setup_seconds: float = 0.0
+    phases: dict = field(default_factory=dict)
+    shortlist: int = 3
+
+    def advice(self, errors: Optional[dict] = None, noise: Optional[float] = None,
+               iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True):
+        """:func:`~gradsync.profiler.advise.advise` on the plan's profile and network."""
+        return advise(self.prof, self.world_size, self.bandwidth_mbit, errors=errors, iterations=iterations,
+                      noise=noise, family=self.family, allowed=allowed, overheads=self.overheads)
+
+
+def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
+                make_optimizer: Callable, workload: str, batch_size: int, bucket_cap_mb: float,
+                allowed: Callable[[str], bool] = lambda entry: True, group: Any = None, seed: int = 0,
+                job_steps: Optional[int] = None, shortlist: int = 3) -> OnlinePlan:
+    """Collective (every rank, its own batches): the measurements :class:`OnlineAutoState` needs before
+    the job's first step: the compute profile and the dense all-reduce time (MAX over ranks,
+    :func:`~gradsync.profiler.auto.measure_start`), each lossy hook's computation per step
+    (:func:`~gradsync.profiler.probe.compression_seconds`) and the 16-bit casts' errors
+    (:func:`~gradsync.profiler.probe.cast_errors`). Only entries that work on any DDP bucket layout
+    (``is_hook(e, any_buckets=True)``) and ``allowed`` are candidates: the job's own DDP runs them.
+
+    ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
+    :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
+    the fastest lossless setting): the metered candidates are cut, costliest first, to what the budget
+    pays for their :data:`QUALITY_STEPS` steps of extra traffic, and the race gets the rest.
+
+    Raises:
+        ValueError: for empty ``batches``, a world size < 2 or ``job_steps`` < 1.
+    """
+    from .auto import NOT_PROBED, _probe_budget, _untimed_cast, effective_bandwidth_mbit, measure_start
+
+    if not batches:
+        raise ValueError("batches must hold at least one (inputs, targets) batch")
+    if dist.get_world_size(group) < 2:
+        raise ValueError(f"world size must be >= 2 for algorithm 'auto'; got {dist.get_world_size(group)}")
+    hookable = lambda e: allowed(e) and is_hook(e, any_buckets=True)  # noqa: E731
+    t0 = time.perf_counter()
+    prof, allreduce_s, phases = measure_start(model, batches, loss_fn, make_optimizer, workload, batch_size,
+                                              bucket_cap_mb, hookable, group, job_steps)
+    world = dist.get_world_size(group)
+    bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
+    simulated = advise(prof, world, bandwidth, allowed=hookable)
+    family = optimizer_family(make_optimizer([torch.nn.Parameter(torch.zeros(1))]))
+    errors: dict[str, float] = {}
+    metered: list[str] = []
+    overheads: dict[str, float] = {}
+    budget = math.inf if job_steps is None else _probe_budget(simulated, hookable, job_steps)
+    if simulated.ccr >= LOW_CCR:
+        worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if hookable(e)]
+        casts = [e for e in worth if e in CASTS]
+        metered = [e for e in worth if e not in CASTS]
+        if casts:
+            errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
+        if metered:
+            t1 = time.perf_counter()
+            proxies = compression_seconds(model, batches[0], loss_fn, make_optimizer,
+                                          list(dict.fromkeys(quality_proxy(e) for e in metered)), bucket_cap_mb,
+                                          process_group=group, seed=seed)
+            overheads = {e: proxies[quality_proxy(e)] for e in metered}
+            phases["compression"] = time.perf_counter() - t1
+            simulated = advise(prof, world, bandwidth, allowed=hookable, overheads=overheads)
+    lossless = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: hookable(e) and (
+        e == "allreduce" or e in CASTS)).choice.entry  # DDP unless a cast is predicted MIN_GAIN x faster
+    base = lossless if lossless == "allreduce" else (_untimed_cast(errors, hookable) or "allreduce")
+    setup = max_seconds(time.perf_counter() - t0, group)
+    room = budget - setup
+    sim = {r.entry: r.iteration_s for r in simulated.predictions}
+    metered = _affordable_meter(metered, sim, prof.compute_s, sim["allreduce"], room)
+    if metered:
+        room -= QUALITY_STEPS * _meter_excess(metered, sim, prof.compute_s, sim["allreduce"])
+    return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, overheads, family, room, setup,
+                      phases, shortlist)
+
+
+def max_seconds(seconds: float, group: Any) -> float:
+    """Collective: ``seconds`` MAX over the ranks of ``group`` (the ranks' clocks differ)."""
+    from ..comm.collectives import max_over_ranks
+
+    return max_over_ranks([seconds], group)[0]
+
+
+def _meter_excess(metered: Sequence[str], sim: dict, compute_s: float, ddp_s: float) -> float:
+    """Predicted seconds one metered step costs beyond the base's: every candidate's simulated
+    communication and compression (its iteration minus compute) and the reference's share of DDP's."""
+    return (sum(max(0.0, sim.get(quality_proxy(e), sim[e]) - compute_s) for e in dict.fromkeys(metered))
+            + REFERENCE_FRACTION * max(0.0, ddp_s - compute_s))
+
+
+def _affordable_meter(metered: Sequence[str], sim: dict, compute_s: float, ddp_s: float, room: float) -> list[str]:
+    """The ``metered`` candidates whose :data:`QUALITY_STEPS` metered steps, and the race of
+    :data:`RACE_MIN_STEPS` rounds of the fastest of them beside the base, ``room`` seconds pay for;
+    the costliest (greatest simulated iteration) dropped first."""
+    kept = list(metered)
+    while kept and (QUALITY_STEPS * _meter_excess(kept, sim, compute_s, ddp_s)
+                    + RACE_MIN_STEPS * min(sim[e] for e in kept)) > room:
+        kept.remove(max(kept, key=lambda e: (sim[e], e)))
+    return kept
+
+
+class OnlineAutoState(HookState):
+    """State of :func:`online_auto_hook`: the module docstring's phases 1-4 on the job's own DDP.
+
+    Args:
+        plan: :func:`plan_online`'s result (the same on every rank).
+        model: the module DDP wraps (each candidate's hook is built on it).
+        process_group: the group of every collective.
+        seed: the hooks' seed (PowerSGD's initial factors).
+        clock: the step clock (seconds); default a device-synchronising ``perf_counter``
+            (:func:`~gradsync.profiler.compute.device_clock` of ``model``).
+
+    Attributes:
+        phase: ``"start"``, ``"meter"``, ``"race"`` or ``"settled"``.
+        current: the entry whose aggregate DDP receives this iteration.
+        choice: the chosen entry once settled, else None.
+        errors, noise: the measured relative errors (``{entry: float}``) and gradient noise, all-reduced.
+        medians: ``{entry: median step seconds}`` of the raced entries (MAX over ranks).
+        step_seconds: ``[(entry, seconds)]`` of every timed probe step (metered and raced), this rank's.
+    """
+
+    def __init__(self, plan: OnlinePlan, model: torch.nn.Module, process_group: Any = None, seed: int = 0,
+                 clock: Optional[Callable[[], float]] = None):
+        super().__init__(process_group)
+        self.plan, self.model, self.seed = plan, model, seed
+        self.clock = clock or device_clock(model)
+        self.hooks: dict[str, tuple] = {}
+        self.spent: list[tuple] = []  # every hook state the job ran (their counters add up in stats)
+        self.errors: dict[str, float] = dict(plan.errors)
+        self.noise: Optional[float] = None
+        self.medians: dict[str, float] = {}
+        self.step_seconds: list[tuple[str, float]] = []
+        self.choice: Optional[str] = None
+        self.reason = ""
+        self.meter = QualityMeter([], primary=0, process_group=process_group, sample_fraction=REFERENCE_FRACTION,
+                                  seed=seed)
+        self._in_step = False
+        self._restart(0)
+
+    # -- phases --------------------------------------------------------------------------------
+    def _restart(self, iteration: int) -> None:
+        """Measure from ``iteration`` on, training on the base (at start-up, and on a resume before the
+        decision)."""
+        self.start = iteration
+        self.current = self.plan.base
+        self._hook(self.plan.base)
+        self.phase = "start" if self.plan.metered else "settled"
+        if not self.plan.metered:
+            self.choice, self.reason = self.plan.base, "nothing to measure: no lossy setting could pay off"
+        self._round: list[str] = []
+        self._times: dict[str, list[float]] = {}
+        self._rounds = 0
+        self._last: Optional[tuple[str, float]] = None
+
+    def _hook(self, entry: str, fresh: bool = False) -> tuple:
+        if entry not in self.hooks or fresh:
+            pair = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
+            if self.iteration > 0:
+                pair[0].skip_start()
+            self.hooks[entry] = pair
+            self.spent.append(pair)
+        return self.hooks[entry]
+
+    def _begin_step(self) -> None:
+        """At an iteration's first bucket: time the last step, then take this step's decision."""
+        now = self.clock()
+        if self._last is not None:
+            self.step_seconds.append((self._last[0], now - self._last[1]))
+            if self.phase == "race":
+                self._times[self._last[0]].append(now - self._last[1])
+        self._last = None
+        i = self.iteration - self.start
+        if self.phase == "start" and i >= START_STEPS:
+            self.phase = "meter"
+            base = self._hook(self.plan.base)
+            metered = [self._metered_pair(e) for e in self.plan.metered]
+            self.meter.hooks = [base, *metered, LOCAL_GRADIENT]
+            self.meter.primary = 0
+            self.meter.reset()
+            self.meter.on = True
+        elif self.phase == "meter" and i >= START_STEPS + QUALITY_STEPS:
+            self.meter.on = False
+            self._short_list()
+        if self.phase == "race":
+            self._race_step()
+        if self.phase in ("meter", "race"):
+            self._last = (self.current, self.clock())
+
+    def _metered_pair(self, entry: str) -> tuple:
+        pair = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
+        pair[0].skip_start()
+        self.spent.append(pair)
+        return pair
+
+    def _short_list(self) -> None:
+        """All-reduce the metered sums; short-list the candidates (as the start-up probe does) and start
+        the race, or settle where nothing is worth timing."""
+        from .auto import DDP_CONTENDER, _short_list
+
+        sums = self.meter.sums().to(collective_device(self.process_group))
+        dist.all_reduce(sums, group=self.process_group)
+        self.count_collective(sums)
+        _, *errors, noise = relative_errors(sums / self.plan.world_size)
+        for (state, _), _e in zip(self.meter.hooks[1:-1], self.plan.metered):
+            state.close()
+        self.meter.hooks = []
+        self.errors.update(zip(self.plan.metered, errors))
+        self.noise = noise
+        ranked = self.plan.advice(self.errors, noise).predictions
+        short = _short_list(ranked, self.plan.shortlist, self.errors)
+        ddp = next(r for r in ranked if r.entry == "allreduce")
+        if short and ddp.time_to_quality_s <= DDP_CONTENDER * min(r.time_to_quality_s for r in ranked
+                                                                  if r.entry in short):
+            short.append("allreduce")
+        if len(short) == 1 and short[0] != self.plan.base:
+            short.append(self.plan.base)  # a lossy setting is chosen only once timed, here beside the base
+        self._factors = {r.entry: r.time_to_quality_s / r.iteration_s for r in ranked if r.entry in short}
+        sim = {r.entry: r.iteration_s for r in ranked}
+        # the race costs what its steps take beyond its best entry's: the least promising is dropped first
+        while len(short) > 2 and RACE_MIN_STEPS * (sum(sim[e] for e in short)
+                                                   - len(short) * min(sim[e] for e in short)) > self.plan.race_budget_s:
+            short.remove(max(short, key=lambda e: (self._factors[e] * sim[e], e)))
+        if len(short) < 2 or RACE_MIN_STEPS * abs(sim[short[0]] - sim[short[1]]) > self.plan.race_budget_s:
+            self._settle(self.plan.base, "no lossy setting could be timed within the probe's budget")
+            return
+        self.phase = "race"
+        self._live = list(short)
+        self._times = {e: [] for e in short}
+        for e in short:
+            if e != self.plan.base:
+                self._hook(e, fresh=True)
+
+    def _race_step(self) -> None:
+        """Choose this step's entry: the next of the round; at a round's end, from the third on, the
+        agreed medians eliminate (:func:`~gradsync.profiler.probe.race`)."""
+        if not self._round:
+            if self._rounds >= RACE_MIN_STEPS:
+                agreed, spread = _agreed_medians({e: self._times[e] for e in self._live}, self.process_group)
+                self.count_payload(16 * len(self._live))
+                self.medians.update(agreed)
+                self._live, settled = race({e: agreed[e] * self._factors[e] for e in self._live}, spread)
+                if settled or self._rounds >= TIMED_STEPS:
+                    self._decide()
+                    return
+            self._round = list(self._live)
+            self._rounds += 1
+        self.current = self._round.pop(0)
+
+    def _decide(self) -> None:
+        timed = dict(self.medians)
+        advice = self.plan.advice(self.errors, self.noise, iterations=timed,
+                                  allowed=lambda e: e in timed or e == "allreduce")
+        self._settle(advice.choice.entry, advice.reason)
+
+    def _settle(self, entry: str, reason: str) -> None:
+        self.phase, self.choice, self.current, self.reason = "settled", entry, entry, reason
+        self._hook(entry)
+        for e, (state, _) in list(self.hooks.items()):
+            if e != entry:
+                state.close()
+                del self.hooks[e]
+        if not dist.is_initialized() or dist.get_rank(self.process_group) == 0:
+            print(f"auto (online): iteration {self.iteration}: {entry}: {reason}", flush=True)
+
+    # -- what it cost ---------------------------------------------------------------------------
+    def probe_excess_seconds(self, settled_step_s: float) -> float:
+        """Seconds the probe's timed steps (metered and raced) took beyond ``settled_step_s`` (the chosen
+        setting's step, seconds) each, this rank's: the probe's cost on the job's steps."""
+        return sum(s - settled_step_s for _, s in self.step_seconds)
+
+    # -- the protocol ----------------------------------------------------------------------------
+    def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
+        return {"auto_phase": float(("start", "meter", "race", "settled").index(self.phase))}
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(super().stats())
+        for state, _ in self.spent:
+            for key, value in state.stats().items():
+                if key in _COUNTERS:
+                    out[key] = out[key] + value
+        out["wire_bytes"] += self.meter.dense_wire_bytes
+        out["compression_ratio"] = compression_ratio(out["dense_wire_bytes"], out["wire_bytes"])
+        out["auto_choice"] = self.choice
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-ready figures of the decision (for metrics.json)."""
+        return {"auto_choice": self.choice, "auto_reason": self.reason, "auto_errors": self.errors,
+                "auto_noise": self.noise, "auto_iterations_s": self.medians,
+                "auto_setup_seconds": self.plan.setup_seconds, "auto_setup_phases_s": self.plan.phases,
+                "auto_metered": list(self.plan.metered), "auto_decided_at": self.iteration}
+
+    def config(self) -> dict[str, Any]:
+        return {"algorithm": "auto-online", "base": self.plan.base, "metered": list(self.plan.metered)}
+
+    def state_dict(self) -> dict[str, Any]:
+        settled = self.phase == "settled"
+        return {"iteration": self.iteration, "choice": self.choice if settled else None, "reason": self.reason,
+                "errors": dict(self.errors), "noise": self.noise, "medians": dict(self.medians),
+                "inner": self.hooks[self.choice][0].state_dict() if settled else None,
+                "meter_dense_wire_bytes": self.meter.dense_wire_bytes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s, _ in self.hooks.values():
+            s.close()
+        self.hooks = {}
+        self.iteration = int(state["iteration"])
+        self.meter.dense_wire_bytes = float(state.get("meter_dense_wire_bytes", 0.0))
+        if state.get("choice") is None:
+            self._restart(self.iteration)
+            return
+        self.errors, self.noise, self.medians = dict(state["errors"]), state["noise"], dict(state["medians"])
+        self.phase, self.choice, self.current, self.reason = "settled", state["choice"], state["choice"], state["reason"]
+        self._hook(self.choice)[0].load_state_dict(state["inner"])
+
+    def close(self) -> None:
+        for state, _ in self.hooks.values():
+            state.close()
+
+
+def online_auto_hook(state: OnlineAutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook of :class:`OnlineAutoState`: at an iteration's first bucket the step's
+    decision (from all-reduced numbers only); then the base under the quality meter while metering, else
+    the current entry's hook."""
+    if not state._in_step:
+        state._in_step = True
+        state._begin_step()
+    if state.meter.on:
+        fut = metered_hook(state.meter, bucket)
+    else:
+        inner, hook = state.hooks[state.current]
+        fut = hook(inner, bucket)
+    state.end_bucket_of(bucket.buffer(), bucket.is_last())
+    if bucket.is_last():
+        state._in_step = False
+    return fut

@@ -1,0 +1,154 @@
+"""``auto`` decided on the job's own steps (gradsync.profiler.online) on 2 real Gloo ranks: while it meters,
+the job trains exactly as the base hook alone; the errors are measured and the same on every rank; the race,
+on a step clock the test drives, chooses the setting with the least time to quality on every rank; the probe
+costs only its steps' excess; a checkpoint resumes the choice, or measures again before it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from distributed import run_ranks
+from gradsync.profiler.probe import QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS
+
+R1, R4 = "powersgd-overlap:matrix_approximation_rank=1", "powersgd-overlap:matrix_approximation_rank=4"
+#: the test's step times by entry, in units of DDP's simulated iteration: PowerSGD r=4 the fastest
+STEP_S = {"allreduce": 1.0, "fp16": 0.6, R1: 0.45, R4: 0.3}
+
+
+def _job(rank):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 4))
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
+    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
+    return model, batches
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+class _StepClock:
+    """The hook's clock: the test advances it by the step time of the entry each step ran."""
+
+    def __init__(self, unit=1.0):
+        self.t, self.unit = 0.0, unit
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _plan(model, batches, **changes):
+    from gradsync.profiler.online import plan_online
+
+    plan = plan_online(model, batches, F.cross_entropy, _optimizer, "mlp", 16, 0.005)
+    # a slow network, so compression pays: the plan's CCR as a 2 Mbit/s link would give it
+    return dataclasses.replace(plan, bandwidth_mbit=2.0, base="fp16", metered=(R1, R4), **changes)
+
+
+class _Job:
+    """The job's DDP with the online hook, trained a few steps at a time."""
+
+    def __init__(self, state, model, batches):
+        from gradsync.profiler.online import online_auto_hook
+
+        self.state, self.batches, self.step = state, batches, 0
+        self.ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+        self.ddp.register_comm_hook(state, online_auto_hook)
+        self.opt = _optimizer(self.ddp.parameters())
+
+    def train(self, steps, clock=None):
+        ran = []
+        for _ in range(steps):
+            x, y = self.batches[self.step % len(self.batches)]
+            self.step += 1
+            self.opt.zero_grad(set_to_none=True)
+            F.cross_entropy(self.ddp(x), y).backward()
+            self.opt.step()
+            ran.append(self.state.current)
+            if clock is not None:
+                clock.t += STEP_S[self.state.current] * clock.unit
+        return ran
+
+
+def _online(rank, world):
+    from gradsync.algorithms import build_hook
+    from gradsync.profiler.online import OnlineAutoState
+
+    model, batches = _job(rank)
+    plan = _plan(model, batches)
+    clock = _StepClock(next(r.iteration_s for r in plan.advice().predictions if r.entry == "allreduce"))
+    state = OnlineAutoState(plan, model, clock=clock)
+    metered_until = START_STEPS + QUALITY_STEPS
+    job = _Job(state, model, batches)
+    ran = job.train(metered_until, clock)
+    after_meter = [p.detach().clone() for p in model.parameters()]
+    # the same job with the base hook alone, for the metered steps
+    ref, _ = _job(rank)
+    ref_state, ref_hook = build_hook("fp16")
+    ddp = DistributedDataParallel(ref, bucket_cap_mb=0.005)
+    ddp.register_comm_hook(ref_state, ref_hook)
+    opt = _optimizer(ddp.parameters())
+    for i in range(metered_until):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    same = all(torch.equal(a, b) for a, b in zip(after_meter, ref.parameters()))
+    fp16_wire = ref_state.stats()["wire_bytes"]
+    wire_metered = state.stats()["wire_bytes"]
+    ran += job.train(TIMED_STEPS * 4 + 4, clock)
+    checkpoint = state.state_dict()
+    resumed = OnlineAutoState(plan, model, clock=_StepClock())
+    resumed.load_state_dict(checkpoint)
+    early = OnlineAutoState(plan, model, clock=_StepClock())
+    early.iteration = 5
+    early.load_state_dict(early.state_dict())
+    return {"same": same, "ran": ran, "choice": state.choice, "errors": state.errors, "noise": state.noise,
+            "medians": state.medians, "phase": state.phase, "fp16_wire": fp16_wire, "wire_metered": wire_metered,
+            "excess": state.probe_excess_seconds(STEP_S[state.choice] * clock.unit), "unit": clock.unit, "timed": state.step_seconds,
+            "resumed": (resumed.phase, resumed.choice, resumed.current, resumed.iteration),
+            "early": (early.phase, early.choice, early.current, early.start)}
+
+
+def test_online_auto_meters_on_the_job_then_races_and_every_rank_chooses_alike():
+    r0, r1 = run_ranks(_online, 2, timeout=240)
+    assert r0["choice"] == r1["choice"] and r0["errors"] == r1["errors"] and r0["medians"] == r1["medians"]
+    assert r0["ran"] == r1["ran"], "every rank ran the same hook at every step"
+    assert r0["same"] and r1["same"], "while metering, the job trains exactly as the base hook alone"
+    assert r0["wire_metered"] > r0["fp16_wire"], "the metered steps' extra traffic is counted"
+    ran = r0["ran"]
+    assert ran[:START_STEPS + QUALITY_STEPS] == ["fp16"] * (START_STEPS + QUALITY_STEPS)
+    errors = r0["errors"]
+    assert 0 < errors["fp16"] < 1e-3 and 0.05 < errors[R4] < errors[R1] < 2  # a higher rank keeps more
+    assert r0["noise"] > 0
+    raced = set(r0["medians"])
+    assert len(raced) >= 2 and R4 in raced, raced
+    for e in raced:  # the medians are the clock's step times: one period between first buckets per step
+        assert abs(r0["medians"][e] - STEP_S[e] * r0["unit"]) < 1e-9, (e, r0["medians"][e])
+    race = ran[START_STEPS + QUALITY_STEPS:]
+    first_rounds = race[:RACE_MIN_STEPS * len(raced)]
+    assert all(first_rounds.count(e) == RACE_MIN_STEPS for e in raced), first_rounds
+    assert r0["phase"] == "settled" and r0["choice"] == R4 and ran[-1] == R4
+    # the probe's cost: its timed steps beyond the choice's step time
+    assert abs(r0["excess"] - sum(s - STEP_S[R4] * r0["unit"] for _, s in r0["timed"])) < 1e-9 and r0["excess"] > 0
+    assert r0["resumed"][:3] == ("settled", R4, R4)
+    assert r0["early"] == ("start", None, "fp16", 5), "a checkpoint before the decision measures again from it"
+
+
+def _no_budget(rank, world):
+    from gradsync.profiler.online import OnlineAutoState
+
+    model, batches = _job(rank)
+    state = OnlineAutoState(_plan(model, batches, race_budget_s=0.0), model, clock=_StepClock())
+    ran = _Job(state, model, batches).train(START_STEPS + QUALITY_STEPS + 2, _StepClock())
+    return state.phase, state.choice, ran
+
+
+def test_without_budget_for_a_race_the_job_stays_on_the_base():
+    (p0, c0, ran0), (p1, c1, ran1) = run_ranks(_no_budget, 2, timeout=180)
+    assert (p0, c0) == (p1, c1) == ("settled", "fp16") and ran0 == ran1 == ["fp16"] * len(ran0)
