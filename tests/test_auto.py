@@ -341,3 +341,23 @@ def test_a_budgeted_race_drops_the_least_promising_first_and_times_ddp_with_the_
     lone = ["powersgd:matrix_approximation_rank=8", "powersgd:matrix_approximation_rank=4"]
     assert _affordable_race(lone, sim, ttq, 0.20) == (["powersgd:matrix_approximation_rank=8"], 3)
     assert _affordable_race(lone, sim, ttq, 0.17) == ([], 0)  # fewer than 3 rounds decide by noise
+
+
+def test_the_fitted_constants_are_the_fit_of_the_committed_data():
+    """FITTED (errors on a frozen copy) and FITTED_TRAINING (errors while the copy trains on fp16) are what
+    benchmarks/fit_quality_model.py fits to the committed data files, to the 3 decimals they are written with."""
+    import pathlib
+    import sys
+
+    from gradsync.profiler.quality_model import FITTED_TRAINING
+
+    data = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(data))
+    try:
+        import fit_quality_model
+    finally:
+        sys.path.remove(str(data))
+    for errors, model in (("probe_errors.json", FITTED), ("probe_errors_training.json", FITTED_TRAINING)):
+        got = fit(fit_quality_model.points(str(data / "data" / "accuracy_costs.json"), str(data / "data" / errors)))
+        assert got.limits == pytest.approx(model.limits, abs=5e-4), errors
+        assert got.slopes == pytest.approx(model.slopes, abs=5e-4), errors

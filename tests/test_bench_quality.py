@@ -96,8 +96,8 @@ def test_to_quality_config_is_validated():
 def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     proc = run_cli(
         ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--rounds", "1", "--algorithms",
-         "allreduce,auto", "--seeds", "0,1", "--to-quality", "--epochs", "1", "--train-samples", "512",
-         "--eval-every", "2", "--eval-samples", "2400", "--out", str(tmp_path)],
+         "allreduce,auto", "--auto-probe", "online", "--seeds", "0,1", "--to-quality", "--epochs", "1",
+         "--train-samples", "512", "--eval-every", "2", "--eval-samples", "2400", "--out", str(tmp_path)],
         timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     q = json.loads((tmp_path / "bench.json").read_text())["quality"]
@@ -114,9 +114,14 @@ def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
         assert [[p[0] for p in c] for c in q["cheap_curves"][name]] == [[2, 4]] * 2
         assert all([p[0] for p in c] in ([4], [2, 4]) for c in q["curves"][name])
         assert all(0 < p[2] <= 1 and p[1] > 0 for c in q["curves"][name] + q["cheap_curves"][name] for p in c)
-    # auto on loopback (CCR far below 0.5) keeps dense all-reduce: the same arithmetic, the same curves
-    auto = next(r for r in json.loads((tmp_path / "bench.json").read_text())["rows"] if r["algorithm"] == "auto")
-    assert auto["options"]["entry"] == "allreduce" and auto["options"]["reason"].startswith("CCR ")
+    # auto decided on its own first steps (--auto-probe online): on loopback (CCR far below 0.5) nothing lossy
+    # can pay off, so DDP trains from the first step, nothing is metered, and the probe cost its start-up only
+    result = json.loads((tmp_path / "bench.json").read_text())
+    auto, decided = next(r for r in result["rows"] if r["algorithm"] == "auto"), result["chosen_from_ccr"]["auto"]
+    assert auto["options"]["entry"] == "allreduce" and decided["probe"] == "online"
+    assert decided["online_steps_s"] == [] and set(decided["setup_phases_s"]) == {"profile", "ccr"}
+    assert decided["probe_seconds"] == pytest.approx(decided["setup_seconds"]) and decided["setup_seconds"] > 0
+    assert len(auto["iteration_samples_s"]) == 2 and "auto (online): allreduce" in proc.stdout
     assert [[p[2] for p in c] for c in q["cheap_curves"]["auto"]] == [[p[2] for p in c] for c in q["cheap_curves"]["allreduce"]]
     finals = q["entries"]["allreduce"]["final_by_seed"]
     assert q["target"] == pytest.approx(sum(finals) / 2 - 0.005)

@@ -45,9 +45,13 @@ class _StepClock:
 def _plan(model, batches, **changes):
     from gradsync.profiler.online import plan_online
 
+    from gradsync.profiler.probe import cast_errors
+
     plan = plan_online(model, batches, F.cross_entropy, _optimizer, "mlp", 16, 0.005)
-    # a slow network, so compression pays: the plan's CCR as a 2 Mbit/s link would give it
-    return dataclasses.replace(plan, bandwidth_mbit=2.0, base="fp16", metered=(R1, R4), **changes)
+    # a slow network, so compression pays: the plan's CCR as a 2 Mbit/s link would give it (on loopback the plan
+    # may measure nothing: its casts' errors are measured here)
+    return dataclasses.replace(plan, bandwidth_mbit=2.0, base="fp16", metered=(R1, R4),
+                               errors=cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"]), **changes)
 
 
 class _Job:
@@ -109,7 +113,7 @@ def _online(rank, world):
     early.iteration = 5
     early.load_state_dict(early.state_dict())
     return {"same": same, "ran": ran, "choice": state.choice, "errors": state.errors, "noise": state.noise,
-            "medians": state.medians, "phase": state.phase, "fp16_wire": fp16_wire, "wire_metered": wire_metered,
+            "medians": state.medians, "stages": state.stages, "phase": state.phase, "fp16_wire": fp16_wire, "wire_metered": wire_metered,
             "excess": state.probe_excess_seconds(STEP_S[state.choice] * clock.unit), "unit": clock.unit, "timed": state.step_seconds,
             "resumed": (resumed.phase, resumed.choice, resumed.current, resumed.iteration),
             "early": (early.phase, early.choice, early.current, early.start)}
@@ -122,7 +126,10 @@ def test_online_auto_meters_on_the_job_then_races_and_every_rank_chooses_alike()
     assert r0["same"] and r1["same"], "while metering, the job trains exactly as the base hook alone"
     assert r0["wire_metered"] > r0["fp16_wire"], "the metered steps' extra traffic is counted"
     ran = r0["ran"]
-    assert ran[:START_STEPS + QUALITY_STEPS] == ["fp16"] * (START_STEPS + QUALITY_STEPS)
+    # the lowest rank predicted to reach is searched for, one rank a stage: r=4 (the middle), then r=1 below it
+    assert r0["stages"] == [[R4], [R1]]
+    metered = START_STEPS + 2 * QUALITY_STEPS
+    assert ran[:metered] == ["fp16"] * metered
     errors = r0["errors"]
     assert 0 < errors["fp16"] < 1e-3 and 0.05 < errors[R4] < errors[R1] < 2  # a higher rank keeps more
     assert r0["noise"] > 0
@@ -130,7 +137,7 @@ def test_online_auto_meters_on_the_job_then_races_and_every_rank_chooses_alike()
     assert len(raced) >= 2 and R4 in raced, raced
     for e in raced:  # the medians are the clock's step times: one period between first buckets per step
         assert abs(r0["medians"][e] - STEP_S[e] * r0["unit"]) < 1e-9, (e, r0["medians"][e])
-    race = ran[START_STEPS + QUALITY_STEPS:]
+    race = ran[metered:]
     first_rounds = race[:RACE_MIN_STEPS * len(raced)]
     assert all(first_rounds.count(e) == RACE_MIN_STEPS for e in raced), first_rounds
     assert r0["phase"] == "settled" and r0["choice"] == R4 and ran[-1] == R4
@@ -144,7 +151,7 @@ def _no_budget(rank, world):
     from gradsync.profiler.online import OnlineAutoState
 
     model, batches = _job(rank)
-    state = OnlineAutoState(_plan(model, batches, race_budget_s=0.0), model, clock=_StepClock())
+    state = OnlineAutoState(_plan(model, batches, budget_s=0.0), model, clock=_StepClock())
     ran = _Job(state, model, batches).train(START_STEPS + QUALITY_STEPS + 2, _StepClock())
     return state.phase, state.choice, ran
 
@@ -152,3 +159,4 @@ def _no_budget(rank, world):
 def test_without_budget_for_a_race_the_job_stays_on_the_base():
     (p0, c0, ran0), (p1, c1, ran1) = run_ranks(_no_budget, 2, timeout=180)
     assert (p0, c0) == (p1, c1) == ("settled", "fp16") and ran0 == ran1 == ["fp16"] * len(ran0)
+

@@ -58,6 +58,10 @@ class BenchConfig(SharedConfig):
                                    high=10_000)
     train_samples: Optional[int] = option(None, "--to-quality: train on the first N training samples only; "
                                           "default: the workload's recipe (all for fashion-mnist)", low=1)
+    auto_probe: str = option("copies", "how the entry auto measures: 'copies' (a start-up probe on copies of the "
+                             "model; gradsync.profiler.auto) or 'online' (on the job's own first steps: "
+                             "gradsync.profiler.online; the hooks that work on any DDP bucket layout)",
+                             choices=["copies", "online"])
     timeout: float = option(300.0, "process-group timeout", low=1.0, high=86_400.0, units="s")
     options: dict = option(None, "algorithm options", cli=False, default_factory=dict)
 

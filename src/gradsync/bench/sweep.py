@@ -284,6 +284,8 @@ MODEL_FLAGS = ("workload", "model", "batch_size", "lr", "bucket_cap_mb", "data_d
 QUALITY_FLAGS = ("epochs", "train_samples", "eval_every", "eval_samples")
 #: the budget's flags, forwarded to the timing runs too: ``auto`` there sets a dense tail's start from it
 BUDGET_FLAGS = ("epochs", "train_samples")
+#: flags forwarded to the timing runs only (how ``auto`` measures)
+TIMING_FLAGS = ("auto_probe",)
 
 
 def _flags(values: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
@@ -305,7 +307,8 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         hosts: ranks (emulated hosts, one rank each), >= 2.
         bandwidths: the networks' link rates, Mbit/s.
         out: the sweep's folder (``quality/<entry>/``, ``network-<hosts>x<rate>/``, ``validate-.../``).
-        values: :data:`MODEL_FLAGS` and :data:`QUALITY_FLAGS` values (None: the bench default).
+        values: :data:`MODEL_FLAGS`, :data:`QUALITY_FLAGS` and :data:`TIMING_FLAGS` values (None: the bench
+            default).
         run: ``gradsync``'s entry point (``gradsync.cli.main``), called with a bench argv.
         steps, warmup, rounds: the timing benches' iterations.
         quality_target: an absolute target; None: dense's mean final minus 0.5 points.
@@ -351,7 +354,7 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
     for rate in bandwidths:
         argv = ["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms",
                 ",".join(timed_entries(entries)), "--steps", str(steps), "--warmup", str(warmup), "--rounds",
-                str(rounds), *model, *budget]
+                str(rounds), *model, *budget, *_flags(values, TIMING_FLAGS)]
         timing = run_or_reuse(out / f"network-{hosts}x{rate:g}mbit", argv, run)
         if "NOT shaped" in str(timing.get("network", "")):
             raise RuntimeError("the timing runs need an emulated cluster (root: network namespaces and tc); "

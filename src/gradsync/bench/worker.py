@@ -29,12 +29,14 @@ from ..comm.futures import shutdown_process_group
 from ..launch import write_result
 from ..options import AUTO
 from ..profiler.auto import resolve_auto
+from ..profiler.online import OnlineAutoState, online_auto_hook, plan_online
 from ..profiler.probe import QUALITY_STEPS
 from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
 from ..train.evaluate import evaluate
 from ..algorithms import BuildContext, Synchroniser, build
+from ..algorithms.synchroniser import HookSynchroniser
 from ..algorithms.base import compression_ratio
 from ..workloads import get_workload
 from .config import BenchConfig, parse_entry
@@ -141,7 +143,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     it = iter(batches * 4)
     profile = record_profile(copy.deepcopy(model0), lambda: next(it), loss_fn, make_optimizer, cfg.workload,
                              cfg.batch_size, cfg.bucket_cap_mb, iterations=5)
-    if AUTO in cfg.algorithms:  # the choice from this run's profile, network and gradients (every rank the same)
+    online = None
+    if AUTO in cfg.algorithms and cfg.auto_probe == "online":
+        # measured on the auto entry's own first steps in round 1 (_online_auto); here only the start-up part
+        online = plan_online(model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer, cfg.workload, cfg.batch_size,
+                             cfg.bucket_cap_mb, job_steps=budget_steps(cfg, train_x.shape[0], world))
+    elif AUTO in cfg.algorithms:  # the choice from this run's profile, network and gradients (every rank the same)
         # what --algorithm auto does in a job (its own profile, dense all-reduce and probe), so that
         # probe_seconds is what measuring costs a job on this network; the job is the --to-quality budget
         decision = resolve_auto(model0, batches[:QUALITY_STEPS], loss_fn, make_optimizer,
@@ -167,8 +174,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         compute_steps.append(t.step_s + t.optimizer_s)
         for name in cfg.algorithms:
             dist.barrier()
-            dp = make(name)
-            dp.warm_up(batches[:2], loss_fn)
+            if name == AUTO and online is not None and rnd == 0:
+                dp = _online_auto(online, model0, make_optimizer, cfg, batches[2:], loss_fn, chosen)
+            else:
+                dp = make(name)
+                dp.warm_up(batches[:2], loss_fn)
             _train_steps(dp, batches[2:2 + cfg.warmup], loss_fn, None)
             s0 = dp.stats()
             times: list[float] = []
@@ -197,6 +207,10 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     if rank != 0:
         return None
     compute_s = statistics.median(compute_steps)
+    if online is not None:  # the probe's cost: start-up, and its steps beyond the settled setting's
+        auto = chosen[AUTO]
+        settled = statistics.median(records[AUTO]["iter_s"])
+        auto["probe_seconds"] = auto["setup_seconds"] + sum(auto["online_steps_s"]) - len(auto["online_steps_s"]) * settled
     base = statistics.median(records[cfg.algorithms[0]]["iter_s"])
     if "allreduce" in records:
         base = statistics.median(records["allreduce"]["iter_s"])
@@ -243,6 +257,33 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         "profile": profile.to_dict(),
         **({"quality": quality} if quality is not None else {}),
     }
+
+
+def _online_auto(plan: Any, model0: torch.nn.Module, make_optimizer: Callable, cfg: BenchConfig, batches: list,
+                 loss_fn: Callable, chosen: dict) -> Synchroniser:
+    """The ``auto`` entry decided on its own first steps (:mod:`gradsync.profiler.online`): a copy of
+    ``model0`` trains under :class:`~gradsync.profiler.online.OnlineAutoState` on ``batches`` (cycled) until
+    it settles; each of those steps' seconds and the decision go to ``chosen[AUTO]``. Returns the synchroniser,
+    settled, to be timed like any entry (later rounds build the chosen entry itself)."""
+    ctx = BuildContext(model=copy.deepcopy(model0), make_optimizer=make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
+                       seed=cfg.seed, batch_size=cfg.batch_size)
+    state = OnlineAutoState(plan, ctx.model, seed=cfg.seed)
+    dp = HookSynchroniser(AUTO, ctx, state, online_auto_hook)
+    times: list[float] = []
+    step = 0
+    while state.phase != "settled":
+        _train_steps(dp, [batches[step % len(batches)]], loss_fn, times)
+        step += 1
+    chosen[AUTO] = {"entry": state.choice, "reason": state.reason, "errors": state.errors, "noise": state.noise,
+                    "iterations_s": state.medians, "probe": "online", "setup_seconds": plan.setup_seconds,
+                    "setup_phases_s": plan.phases, "online_steps_s": times, "metered": list(plan.metered),
+                    "compression_s": state.overheads,
+                    "probe_budget_s": None if math.isinf(plan.budget_s) else plan.budget_s}
+    if dist.get_rank() == 0:
+        print(f"auto (online): {state.choice} after {step} steps: {state.reason} (start-up "
+              f"{plan.setup_seconds:.1f} s: {', '.join(f'{k} {v:.1f} s' for k, v in plan.phases.items())})",
+              flush=True)
+    return dp
 
 
 def _seed_entries(cfg: BenchConfig, workload: Any, make: Callable[..., Any], entry_major: list[str] | None = None):

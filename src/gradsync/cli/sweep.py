@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for flag, kind in (("--batch-size", int), ("--lr", float), ("--bucket-cap-mb", float), ("--epochs", int),
                        ("--train-samples", int), ("--eval-every", int), ("--eval-samples", int)):
         p.add_argument(flag, type=kind, default=None, help="as gradsync bench (default: the workload's recipe)")
+    p.add_argument("--auto-probe", choices=["copies", "online"], default=None,
+                   help="as gradsync bench: how the entry auto measures (default copies)")
     p.add_argument("--steps", type=int, default=20, help="timed iterations per entry and round on each network")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per entry and round")
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds")
@@ -45,7 +47,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     from ..bench.report import plot_quality
     from ..cluster.commands import why_unshaped
-    from ..bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TOLERANCE, run_sweep, summary_rows
+    from ..bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TIMING_FLAGS, TOLERANCE, run_sweep, summary_rows
     from . import main
 
     try:
@@ -70,7 +72,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"gradsync sweep: error: the timing runs need an emulated cluster (network namespaces and tc), and "
               f"this process cannot build one: {unshaped}", file=sys.stderr)
         return 1
-    values = {k: getattr(args, k) for k in MODEL_FLAGS + QUALITY_FLAGS}
+    values = {k: getattr(args, k) for k in MODEL_FLAGS + QUALITY_FLAGS + TIMING_FLAGS}
     result = run_sweep(entries, _int_list("seeds", args.seeds), args.hosts, rates, Path(args.out), values, main,
                        steps=args.steps, warmup=args.warmup, rounds=args.rounds, quality_target=args.quality_target,
                        validate_at=validate_at)

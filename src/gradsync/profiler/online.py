@@ -48,13 +48,13 @@ import torch.distributed as dist
 
 from ..algorithms.base import HookState, compression_ratio
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
-from ..comm.collectives import collective_device
+from ..comm.collectives import collective_device, max_over_ranks
 from ..sim.profile import Profile
 from .advise import CASTS, LOW_CCR, advise, is_hook, worth_measuring
 from .compute import device_clock
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
-                    cast_errors, compression_seconds, quality_proxy, race)
-from .quality_model import optimizer_family
+                    cast_errors, quality_proxy, race)
+from .quality_model import FITTED_TRAINING, optimizer_family
 
 __all__ = ["OnlinePlan", "OnlineAutoState", "online_auto_hook", "plan_online"]
 
@@ -74,12 +74,11 @@ class OnlinePlan:
         base: the lossless entry the job trains on until the decision (``allreduce``, ``fp16`` or ``bf16``).
         metered: the lossy candidates metered on the job's steps (entries that work on any bucket layout).
         errors: ``{entry: relative error}`` known before training (the 16-bit casts').
-        overheads: ``{entry: seconds}`` each lossy hook computes per step (compression; added to its
-            simulated iteration).
         family: the optimizer family the quality model judges errors against.
-        race_budget_s: seconds the race's excess over its best candidate may cost (``math.inf``: no budget).
+        budget_s: seconds the whole probe may cost (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job's
+            predicted time; ``math.inf``: the job's length is not known), :attr:`setup_seconds` included.
         setup_seconds: what :func:`plan_online` took (seconds, MAX over ranks).
-        phases: its cost by step (seconds: ``profile``, ``ccr``, ``compression``).
+        phases: its cost by step (seconds: ``profile``, ``ccr``).
         shortlist: candidates raced besides DDP.
     """
 
@@ -89,35 +88,38 @@ class OnlinePlan:
     base: str
     metered: tuple = ()
     errors: dict = field(default_factory=dict)
-    overheads: dict = field(default_factory=dict)
     family: Optional[str] = None
-    race_budget_s: float = math.inf
+    budget_s: float = math.inf
     setup_seconds: float = 0.0
     phases: dict = field(default_factory=dict)
     shortlist: int = 3
 
     def advice(self, errors: Optional[dict] = None, noise: Optional[float] = None,
-               iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True):
-        """:func:`~gradsync.profiler.advise.advise` on the plan's profile and network."""
+               iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True,
+               overheads: Optional[dict] = None):
+        """:func:`~gradsync.profiler.advise.advise` on the plan's profile and network (``overheads``:
+        ``{entry: seconds}`` each lossy hook computes per step, added to its simulated iteration)."""
         return advise(self.prof, self.world_size, self.bandwidth_mbit, errors=errors, iterations=iterations,
-                      noise=noise, family=self.family, allowed=allowed, overheads=self.overheads)
+                      noise=noise, family=self.family, allowed=allowed, overheads=overheads, model=FITTED_TRAINING)
 
 
 def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                 make_optimizer: Callable, workload: str, batch_size: int, bucket_cap_mb: float,
-                allowed: Callable[[str], bool] = lambda entry: True, group: Any = None, seed: int = 0,
+                allowed: Callable[[str], bool] = lambda entry: True, group: Any = None,
                 job_steps: Optional[int] = None, shortlist: int = 3) -> OnlinePlan:
     """Collective (every rank, its own batches): the measurements :class:`OnlineAutoState` needs before
     the job's first step: the compute profile and the dense all-reduce time (MAX over ranks,
-    :func:`~gradsync.profiler.auto.measure_start`), each lossy hook's computation per step
-    (:func:`~gradsync.profiler.probe.compression_seconds`) and the 16-bit casts' errors
-    (:func:`~gradsync.profiler.probe.cast_errors`). Only entries that work on any DDP bucket layout
+    :func:`~gradsync.profiler.auto.measure_start`) and the 16-bit casts' errors
+    (:func:`~gradsync.profiler.probe.cast_errors`). Each lossy hook's own computation per step is timed
+    later, while it is metered on the job (not in a group of the rank alone, as the start-up probe does). Only entries that work on any DDP bucket layout
     (``is_hook(e, any_buckets=True)``) and ``allowed`` are candidates: the job's own DDP runs them.
 
     ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
     :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
     the fastest lossless setting): the metered candidates are cut, costliest first, to what the budget
-    pays for their :data:`QUALITY_STEPS` steps of extra traffic, and the race gets the rest.
+    pays for their :data:`QUALITY_STEPS` steps of extra traffic and a race of
+    :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds; the race then runs while what is left pays for
+    its next round (:meth:`OnlineAutoState._race_step`).
 
     Raises:
         ValueError: for empty ``batches``, a world size < 2 or ``job_steps`` < 1.
@@ -138,7 +140,6 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     family = optimizer_family(make_optimizer([torch.nn.Parameter(torch.zeros(1))]))
     errors: dict[str, float] = {}
     metered: list[str] = []
-    overheads: dict[str, float] = {}
     budget = math.inf if job_steps is None else _probe_budget(simulated, hookable, job_steps)
     if simulated.ccr >= LOW_CCR:
         worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if hookable(e)]
@@ -146,31 +147,26 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
         metered = [e for e in worth if e not in CASTS]
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
-        if metered:
-            t1 = time.perf_counter()
-            proxies = compression_seconds(model, batches[0], loss_fn, make_optimizer,
-                                          list(dict.fromkeys(quality_proxy(e) for e in metered)), bucket_cap_mb,
-                                          process_group=group, seed=seed)
-            overheads = {e: proxies[quality_proxy(e)] for e in metered}
-            phases["compression"] = time.perf_counter() - t1
-            simulated = advise(prof, world, bandwidth, allowed=hookable, overheads=overheads)
     lossless = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: hookable(e) and (
         e == "allreduce" or e in CASTS)).choice.entry  # DDP unless a cast is predicted MIN_GAIN x faster
     base = lossless if lossless == "allreduce" else (_untimed_cast(errors, hookable) or "allreduce")
     setup = max_seconds(time.perf_counter() - t0, group)
-    room = budget - setup
     sim = {r.entry: r.iteration_s for r in simulated.predictions}
-    metered = _affordable_meter(metered, sim, prof.compute_s, sim["allreduce"], room)
-    if metered:
-        room -= QUALITY_STEPS * _meter_excess(metered, sim, prof.compute_s, sim["allreduce"])
-    return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, overheads, family, room, setup,
-                      phases, shortlist)
+    metered = _affordable_meter(metered, sim, prof.compute_s, sim["allreduce"], budget - setup)
+    return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist)
+
+
+def _rank(entry: str) -> Optional[int]:
+    """The PowerSGD rank of a ``powersgd-overlap`` entry, else None."""
+    name, _, rest = entry.partition(":")
+    if name != "powersgd-overlap":
+        return None
+    options = dict(item.split("=", 1) for item in rest.split(":") if "=" in item)
+    return int(options.get("matrix_approximation_rank", 2))
 
 
 def max_seconds(seconds: float, group: Any) -> float:
     """Collective: ``seconds`` MAX over the ranks of ``group`` (the ranks' clocks differ)."""
-    from ..comm.collectives import max_over_ranks
-
     return max_over_ranks([seconds], group)[0]
 
 
@@ -209,6 +205,9 @@ class OnlineAutoState(HookState):
         choice: the chosen entry once settled, else None.
         errors, noise: the measured relative errors (``{entry: float}``) and gradient noise, all-reduced.
         medians: ``{entry: median step seconds}`` of the raced entries (MAX over ranks).
+        stages: the candidates metered together, stage by stage (each :data:`QUALITY_STEPS` steps).
+        overheads: ``{entry: seconds}`` each metered candidate computed per step (its hook's
+            ``compress_seconds``; MAX over ranks), added to its simulated iteration.
         step_seconds: ``[(entry, seconds)]`` of every timed probe step (metered and raced), this rank's.
     """
 
@@ -222,6 +221,8 @@ class OnlineAutoState(HookState):
         self.errors: dict[str, float] = dict(plan.errors)
         self.noise: Optional[float] = None
         self.medians: dict[str, float] = {}
+        self.stages: list[list[str]] = []
+        self.overheads: dict[str, float] = {}
         self.step_seconds: list[tuple[str, float]] = []
         self.choice: Optional[str] = None
         self.reason = ""
@@ -244,6 +245,10 @@ class OnlineAutoState(HookState):
         self._times: dict[str, list[float]] = {}
         self._rounds = 0
         self._last: Optional[tuple[str, float]] = None
+        self._noises: list[float] = []
+        self._probe_s, self._probe_steps = 0.0, 0
+        self._stage: list[str] = []
+        self._stage_start = iteration
 
     def _hook(self, entry: str, fresh: bool = False) -> tuple:
         if entry not in self.hooks or fresh:
@@ -262,18 +267,10 @@ class OnlineAutoState(HookState):
             if self.phase == "race":
                 self._times[self._last[0]].append(now - self._last[1])
         self._last = None
-        i = self.iteration - self.start
-        if self.phase == "start" and i >= START_STEPS:
-            self.phase = "meter"
-            base = self._hook(self.plan.base)
-            metered = [self._metered_pair(e) for e in self.plan.metered]
-            self.meter.hooks = [base, *metered, LOCAL_GRADIENT]
-            self.meter.primary = 0
-            self.meter.reset()
-            self.meter.on = True
-        elif self.phase == "meter" and i >= START_STEPS + QUALITY_STEPS:
-            self.meter.on = False
-            self._short_list()
+        if self.phase == "start" and self.iteration - self.start >= START_STEPS:
+            self._start_stage(self._next_stage())
+        elif self.phase == "meter" and self.iteration - self._stage_start >= QUALITY_STEPS:
+            self._end_stage()
         if self.phase == "race":
             self._race_step()
         if self.phase in ("meter", "race"):
@@ -285,21 +282,74 @@ class OnlineAutoState(HookState):
         self.spent.append(pair)
         return pair
 
-    def _short_list(self) -> None:
-        """All-reduce the metered sums; short-list the candidates (as the start-up probe does) and start
-        the race, or settle where nothing is worth timing."""
-        from .auto import DDP_CONTENDER, _short_list
+    def _next_stage(self) -> list[str]:
+        """The candidates to meter next, cut to what the budget left pays for. PowerSGD's error falls as its
+        rank grows and its bytes grow with it, so the lowest rank predicted to reach the target is searched
+        for by bisection over the metered ranks (:func:`_rank`), one rank a stage: the middle one first; above
+        the highest rank predicted to miss and below the lowest predicted to reach, the middle of the ranks
+        left between (the lowest where none reached yet, the highest where none missed yet). Any other
+        candidates are metered together in the first stage."""
+        plan = self.plan
+        ranked = plan.advice(self.errors, self.noise, overheads=self.overheads).predictions
+        reaches = {r.entry: math.isfinite(r.time_to_quality_s) for r in ranked if r.entry in self.errors}
+        ladder = sorted((e for e in plan.metered if _rank(e) is not None), key=_rank)
+        lo = max((_rank(e) for e in ladder if e in reaches and not reaches[e]), default=0)
+        hi = min((_rank(e) for e in ladder if e in reaches and reaches[e]), default=math.inf)
+        between = [e for e in ladder if lo < _rank(e) < hi and e not in self.errors]
+        stage = [] if self.stages else [e for e in plan.metered if _rank(e) is None]
+        if between:
+            index = (len(between) // 2 if (lo == 0) == math.isinf(hi) else 0 if math.isinf(hi) else -1)
+            stage.append(between[index])
+        sim = {r.entry: r.iteration_s for r in ranked}
+        return _affordable_meter(stage, sim, plan.prof.compute_s, sim["allreduce"], self._left(sim))
 
+    def _left(self, sim: dict) -> float:
+        """Seconds of the budget left (agreed: from the plan and agreed step times): the start-up, and the
+        probe's steps so far beyond the fastest simulated candidate's iteration."""
+        best = min(sim[e] for e in sim if e == "allreduce" or e in self.plan.metered or e in CASTS)
+        return self.plan.budget_s - self.plan.setup_seconds - (self._probe_s - self._probe_steps * best)
+
+    def _start_stage(self, stage: Sequence[str]) -> None:
+        """Meter ``stage`` beside the base for the next :data:`QUALITY_STEPS` steps (or, empty, start the race)."""
+        if not stage:
+            self._start_race()
+            return
+        self.phase, self._stage, self._stage_start = "meter", list(stage), self.iteration
+        self.stages.append(list(stage))
+        self.meter.hooks = [self._hook(self.plan.base), *(self._metered_pair(e) for e in stage), LOCAL_GRADIENT]
+        self.meter.primary = 0
+        self.meter.reset()
+        self.meter.on = True
+
+    def _end_stage(self) -> None:
+        """All-reduce the stage's sums (errors and noise), its candidates' computation per step and the probe
+        steps' seconds (MAX over ranks); then the next stage, or the race."""
+        self.meter.on = False
         sums = self.meter.sums().to(collective_device(self.process_group))
         dist.all_reduce(sums, group=self.process_group)
         self.count_collective(sums)
         _, *errors, noise = relative_errors(sums / self.plan.world_size)
-        for (state, _), _e in zip(self.meter.hooks[1:-1], self.plan.metered):
+        metered = self.meter.hooks[1:-1]
+        agreed = max_over_ranks([*(state.stats()["compress_seconds"] / QUALITY_STEPS for state, _ in metered),
+                                 sum(s for _, s in self.step_seconds)], self.process_group)
+        self.count_payload(8 * len(agreed))
+        for state, _ in metered:
             state.close()
         self.meter.hooks = []
-        self.errors.update(zip(self.plan.metered, errors))
-        self.noise = noise
-        ranked = self.plan.advice(self.errors, noise).predictions
+        self.errors.update(zip(self._stage, errors))
+        self.overheads.update(zip(self._stage, agreed[:-1]))
+        self._noises.append(noise)
+        self.noise = sum(self._noises) / len(self._noises)
+        self._probe_s, self._probe_steps = agreed[-1], len(self.step_seconds)
+        self._start_stage(self._next_stage())
+
+    def _start_race(self) -> None:
+        """Short-list the measured candidates (as the start-up probe does) and start the race where the budget
+        left pays for its first :data:`RACE_MIN_STEPS` rounds (the least promising dropped first), else settle
+        on the base."""
+        from .auto import DDP_CONTENDER, _short_list
+
+        ranked = self.plan.advice(self.errors, self.noise, overheads=self.overheads).predictions
         short = _short_list(ranked, self.plan.shortlist, self.errors)
         ddp = next(r for r in ranked if r.entry == "allreduce")
         if short and ddp.time_to_quality_s <= DDP_CONTENDER * min(r.time_to_quality_s for r in ranked
@@ -309,11 +359,14 @@ class OnlineAutoState(HookState):
             short.append(self.plan.base)  # a lossy setting is chosen only once timed, here beside the base
         self._factors = {r.entry: r.time_to_quality_s / r.iteration_s for r in ranked if r.entry in short}
         sim = {r.entry: r.iteration_s for r in ranked}
-        # the race costs what its steps take beyond its best entry's: the least promising is dropped first
-        while len(short) > 2 and RACE_MIN_STEPS * (sum(sim[e] for e in short)
-                                                   - len(short) * min(sim[e] for e in short)) > self.plan.race_budget_s:
+        self._budget_left = self._left(sim)
+
+        def round_excess(entries: Sequence[str]) -> float:  # a round's steps beyond its fastest entry's
+            return sum(sim[e] for e in entries) - len(entries) * min(sim[e] for e in entries)
+
+        while len(short) > 2 and RACE_MIN_STEPS * round_excess(short) > self._budget_left:
             short.remove(max(short, key=lambda e: (self._factors[e] * sim[e], e)))
-        if len(short) < 2 or RACE_MIN_STEPS * abs(sim[short[0]] - sim[short[1]]) > self.plan.race_budget_s:
+        if len(short) < 2 or RACE_MIN_STEPS * round_excess(short) > self._budget_left:
             self._settle(self.plan.base, "no lossy setting could be timed within the probe's budget")
             return
         self.phase = "race"
@@ -324,15 +377,22 @@ class OnlineAutoState(HookState):
                 self._hook(e, fresh=True)
 
     def _race_step(self) -> None:
-        """Choose this step's entry: the next of the round; at a round's end, from the third on, the
-        agreed medians eliminate (:func:`~gradsync.profiler.probe.race`)."""
+        """Choose this step's entry: the next of the round. At a round's end, from round
+        :data:`RACE_MIN_STEPS` on, the agreed medians eliminate (:func:`~gradsync.profiler.probe.race`), and
+        the race ends when it is settled, after :data:`TIMED_STEPS` rounds, or when the budget left does not
+        pay for another round's steps beyond its best entry's."""
         if not self._round:
             if self._rounds >= RACE_MIN_STEPS:
                 agreed, spread = _agreed_medians({e: self._times[e] for e in self._live}, self.process_group)
                 self.count_payload(16 * len(self._live))
                 self.medians.update(agreed)
-                self._live, settled = race({e: agreed[e] * self._factors[e] for e in self._live}, spread)
-                if settled or self._rounds >= TIMED_STEPS:
+                scores = {e: agreed[e] * self._factors[e] for e in self._live}
+                lead = agreed[min(scores, key=lambda e: (scores[e], e))]
+                spent = sum(len(t) * self.medians[e] for e, t in self._times.items()) - lead * sum(
+                    len(t) for t in self._times.values())
+                self._live, settled = race(scores, spread)
+                next_round = sum(agreed[e] for e in self._live) - len(self._live) * lead
+                if settled or self._rounds >= TIMED_STEPS or next_round > self._budget_left - spent:
                     self._decide()
                     return
             self._round = list(self._live)
@@ -342,7 +402,7 @@ class OnlineAutoState(HookState):
     def _decide(self) -> None:
         timed = dict(self.medians)
         advice = self.plan.advice(self.errors, self.noise, iterations=timed,
-                                  allowed=lambda e: e in timed or e == "allreduce")
+                                  allowed=lambda e: e in timed or e == "allreduce", overheads=self.overheads)
         self._settle(advice.choice.entry, advice.reason)
 
     def _settle(self, entry: str, reason: str) -> None:
@@ -381,7 +441,7 @@ class OnlineAutoState(HookState):
         return {"auto_choice": self.choice, "auto_reason": self.reason, "auto_errors": self.errors,
                 "auto_noise": self.noise, "auto_iterations_s": self.medians,
                 "auto_setup_seconds": self.plan.setup_seconds, "auto_setup_phases_s": self.plan.phases,
-                "auto_metered": list(self.plan.metered), "auto_decided_at": self.iteration}
+                "auto_stages": self.stages, "auto_compression_s": self.overheads, "auto_decided_at": self.iteration}
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "auto-online", "base": self.plan.base, "metered": list(self.plan.metered)}
