@@ -160,3 +160,25 @@ def test_without_budget_for_a_race_the_job_stays_on_the_base():
     (p0, c0, ran0), (p1, c1, ran1) = run_ranks(_no_budget, 2, timeout=180)
     assert (p0, c0) == (p1, c1) == ("settled", "fp16") and ran0 == ran1 == ["fp16"] * len(ran0)
 
+
+
+def _script(rank, world):
+    import gradsync
+
+    model, batches = _job(rank)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
+    opt = _optimizer(ddp.parameters())
+    state, decision = gradsync.register_auto(ddp, opt, batches, F.cross_entropy, online=True)
+    # at most 3 metered stages (bisection over 5 ranks), then at most TIMED_STEPS rounds of 4 entries
+    for i in range(START_STEPS + 3 * QUALITY_STEPS + 4 * TIMED_STEPS):
+        x, y = batches[i % len(batches)]
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return state.phase, state.choice, decision, state.stats()["wire_bytes"] > 0, ddp.gradsync_state is state
+
+
+def test_register_auto_online_in_a_script_settles_alike_on_every_rank():
+    (p0, c0, d0, sent, same), (p1, c1, _, _, _) = run_ranks(_script, 2, timeout=180)
+    # the choice depends on this machine's load (loopback all-reduce vs backward): only what holds for any
+    assert p0 == p1 == "settled" and c0 == c1 and c0 is not None and d0 is None and sent and same

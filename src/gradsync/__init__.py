@@ -26,12 +26,19 @@ The profiler sits above algorithms (it measures one), so algorithms take DDP's b
 __version__ = "0.1.0"
 
 
-def register_auto(ddp, optimizer, batches, loss_fn):
+def register_auto(ddp, optimizer, batches, loss_fn, job_steps=None, online=False):
     """``--algorithm auto`` in a torchrun script: measure, choose and register the hook on ``ddp``
-    (:func:`gradsync.profiler.auto.register_auto`, which documents the arguments, returns and errors)."""
+    (:func:`gradsync.profiler.auto.register_auto`, which documents the arguments, returns and errors).
+    With ``online=True`` the choice is made on the job's own first steps instead of copies of the model
+    (:func:`gradsync.profiler.online.register_online_auto`): returns ``(state, None)``; ``state.choice`` names
+    the setting once ``state.phase == "settled"``."""
+    if online:
+        from .profiler.online import register_online_auto
+
+        return register_online_auto(ddp, optimizer, batches, loss_fn, job_steps), None
     from .profiler.auto import register_auto as _register_auto
 
-    return _register_auto(ddp, optimizer, batches, loss_fn)
+    return _register_auto(ddp, optimizer, batches, loss_fn, job_steps)
 
 
 def wrap(model, optimizer, algorithm: str = "dear", process_group=None, bucket_cap_mb: float = 25.0, scaler=None,

@@ -56,7 +56,7 @@ from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _ag
                     cast_errors, quality_proxy, race)
 from .quality_model import FITTED_TRAINING, optimizer_family
 
-__all__ = ["OnlinePlan", "OnlineAutoState", "online_auto_hook", "plan_online"]
+__all__ = ["OnlinePlan", "OnlineAutoState", "online_auto_hook", "plan_online", "register_online_auto"]
 
 #: The counters of a hook's ``stats()`` that add up over every hook the job ran.
 _COUNTERS = ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped")
@@ -487,3 +487,36 @@ def online_auto_hook(state: OnlineAutoState, bucket: dist.GradBucket) -> torch.f
     if bucket.is_last():
         state._in_step = False
     return fut
+
+
+def register_online_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         job_steps: Optional[int] = None) -> OnlineAutoState:
+    """Collective: ``--algorithm auto`` for a script's own ``DistributedDataParallel``, decided on the job's
+    own first steps: :func:`plan_online` on copies of ``ddp.module`` (the profile and the dense all-reduce),
+    then :func:`online_auto_hook` registered on ``ddp``. Call it on every rank after building ``ddp`` and
+    ``optimizer`` and before training; ``state.phase`` is ``"settled"`` and ``state.choice`` names the
+    setting once it has decided (``state.summary()`` for a log), and ``state.state_dict()`` goes into
+    checkpoints (``load_state_dict`` before the first step of a resumed run).
+
+    Args:
+        ddp, optimizer, batches, loss_fn, job_steps: as :func:`gradsync.profiler.auto.register_auto`.
+
+    Raises:
+        ValueError: for a ``ddp`` that is no ``DistributedDataParallel``, empty ``batches`` or a world
+            size < 2.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .auto import optimizer_factory
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
+    batches = list(batches)
+    plan = plan_online(ddp.module, batches, loss_fn, optimizer_factory(optimizer), "script",
+                       int(batches[0][0].shape[0]) if batches else 1, ddp.bucket_bytes_cap / 2 ** 20,
+                       group=ddp.process_group, job_steps=job_steps)
+    state = OnlineAutoState(plan, ddp.module, process_group=ddp.process_group)
+    ddp.register_comm_hook(state, online_auto_hook)
+    ddp.gradsync_state = state
+    return state
