@@ -96,11 +96,13 @@ def test_accuracy_rows_summarise_the_seeds(capsys, monkeypatch):
 @pytest.mark.skipif(not (fashion_mnist.DEFAULT_DIR / "train-images-idx3-ubyte.gz").exists(),
                     reason="Fashion-MNIST not installed (apt-get install dataset-fashion-mnist)")
 def test_bench_runs_entries_of_one_algorithm_and_several_seeds(tmp_path):
+    # batch 32 and 5 steps per time-to-accuracy run (one evaluation each): what is checked is the entries'
+    # options and wire bytes and that every entry trains once per seed, none of which needs more
     proc = run_cli(
-        ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0",
+        ["bench", "--hosts", "2", "--steps", "2", "--warmup", "0", "--batch-size", "32",
          "--rounds", "1", "--algorithms", "allreduce,powersgd:matrix_approximation_rank=1,"
-         "powersgd:matrix_approximation_rank=2", "--seeds", "0,1", "--to-accuracy", "0.5", "--eval-every", "10",
-         "--max-accuracy-steps", "10", "--eval-samples", "1000", "--table", "accuracy", "--out", str(tmp_path)],
+         "powersgd:matrix_approximation_rank=2", "--seeds", "0,1", "--to-accuracy", "0.5", "--eval-every", "5",
+         "--max-accuracy-steps", "5", "--eval-samples", "1000", "--table", "accuracy", "--out", str(tmp_path)],
         timeout=400, env={**os.environ, "COLUMNS": "250"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
