@@ -310,22 +310,23 @@ EXPERIMENTS = [
     *(_sweep(name, f"Results: auto out of sample, {family}{where} (gradsync sweep)",
              ["--model", model, "--algorithms", "allreduce,fp16," + compressed + ",auto",
               "--seeds", "0,1,2,3,4", "--hosts", hosts, "--bandwidths", bandwidths, "--epochs", epochs, "--eval-every",
-              every, "--eval-samples", "5000", "--rounds", "3"], quick=("--model", model))
-      for name, family, model, bandwidths, where, hosts, every, compressed, epochs in (
+              every, "--eval-samples", "5000", "--rounds", "3", *probe], quick=("--model", model))
+      for name, family, model, bandwidths, where, hosts, every, compressed, epochs, probe in (
           ("oos-mixer", "the MLP-Mixer with AdamW", "mixer", "5,40", "", "2", "52",
            "powersgd:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=2,"
-           "powersgd-overlap:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=8", "2"),
+           "powersgd-overlap:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=8", "2", ()),
           ("oos-mixer-4hosts", "the MLP-Mixer with AdamW", "mixer", "5,40", " on 4 hosts", "4", "26",
            "powersgd:matrix_approximation_rank=4,powersgd-overlap:matrix_approximation_rank=4,"
-           "powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8", "2"),
+           "powersgd:matrix_approximation_rank=8,powersgd-overlap:matrix_approximation_rank=8", "2", ()),
           *((name, "a plain MLP with SGD", "mlp", "200,3000", where, hosts, every,
              ",".join(f"{n}:matrix_approximation_rank={r}" for n in ("powersgd", "powersgd-overlap") for r in (1, 2, 4, 8)),
-             "2")
+             "2", ())
             for name, where, hosts, every in (("oos-mlp", "", "2", "52"), ("oos-mlp-4hosts", " on 4 hosts", "4", "26"))),
           # one epoch: its step is 16x the MLP's (a 55 ms forward and backward pass of batch 64 on one thread)
           *((name, "a MobileNetV2-style CNN with SGD", "mobilenet", "15,50", where, hosts, every,
              "powersgd:matrix_approximation_rank=4," + ",".join(
-                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1")
+                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1",
+             ("--auto-probe", "online"))  # auto decided on the job's own steps since the thirteenth session
             for name, where, hosts, every in (("oos-mobilenet", "", "2", "26"),
                                               ("oos-mobilenet-4hosts", " on 4 hosts", "4", "13"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
