@@ -71,10 +71,15 @@ def test_sigkill_of_one_rank_gives_one_message_and_the_resume_command(tmp_path):
     assert not glob.glob(str(tmp / "gradsync-ranks-*")), "the launcher removes its temporary directory"
 
 
+#: batch 16 (not the recipe's 64) and 200 test samples: a quarter of the compute per step and a fifth of the
+#: evaluation; what is compared (losses, rates, evaluations, bitwise) and said does not depend on either
+SMALL = ["--batch-size", "16", "--eval-samples", "200"]
+
+
 def _train(tmp_path, name, algorithm, *extra):
     out = tmp_path / name
     proc = run_cli(["train", "--no-progress", "--algorithm", algorithm, *(["--ratio", "2"] if algorithm == "covap" else []),
-                    "--train-samples", "1280", "--max-steps", "6", "--eval-samples", "1000", "--out", str(out), *extra],
+                    "--train-samples", "1280", "--max-steps", "6", *SMALL, "--out", str(out), *extra],
                     timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "metrics.json").read_text()), proc
@@ -83,7 +88,7 @@ def _train(tmp_path, name, algorithm, *extra):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("algorithm", ["covap"])  # error-feedback state on top of model/optimizer/RNG
 def test_resume_latest_mid_epoch_continues_the_uninterrupted_losses(tmp_path, algorithm):
-    # 1280 samples, 2 ranks, batch 64: 10 steps per epoch, cut at 6: checkpoints at steps 2 and 4
+    # 1280 samples, 2 ranks, batch 16: 40 steps per epoch, cut at 6: checkpoints at steps 2 and 4
     # (mid-epoch) and at the end, step 6 (mid-epoch too: a longer run continues the epoch); one
     # evaluation per run keeps the test short
     ck = tmp_path / "ck"
@@ -135,7 +140,7 @@ def test_a_longer_run_continues_a_finished_one_with_the_schedule_over_the_new_le
     assert [i["lr"] for i in longer["iterations"][4:]] == pytest.approx(want[4:], rel=1e-12)
     assert longer["summary"]["steps"] == 8
     at_end = run_cli(["train", "--no-progress", "--algorithm", "covap", "--ratio", "2", "--train-samples", "1280",
-                      "--max-steps", "4", "--resume", str(ck / "step4")], timeout=400)
+                      "--max-steps", "4", *SMALL, "--resume", str(ck / "step4")], timeout=400)
     assert at_end.returncode == 1
     assert ("the checkpoint is at step 4, and this run ends at step 4 (--max-steps/--epochs): nothing left "
             "to train") in at_end.stderr, at_end.stderr
