@@ -182,3 +182,26 @@ def test_register_auto_online_in_a_script_settles_alike_on_every_rank():
     (p0, c0, d0, sent, same), (p1, c1, _, _, _) = run_ranks(_script, 2, timeout=180)
     # the choice depends on this machine's load (loopback all-reduce vs backward): only what holds for any
     assert p0 == p1 == "settled" and c0 == c1 and c0 is not None and d0 is None and sent and same
+
+
+def test_train_online_auto_writes_its_decision_and_resumes_it(tmp_path):
+    import json
+
+    from cli_runner import run_cli
+
+    ckpt, args = tmp_path / "ckpt", ["train", "--algorithm", "auto", "--auto-probe", "online", "--workers", "2",
+                                     "--train-samples", "512", "--eval-samples", "500", "--no-progress",
+                                     "--compute-steps", "1"]
+    first = run_cli([*args, "--max-steps", "3", "--checkpoint", str(ckpt), "--out", str(tmp_path / "a")], timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads((tmp_path / "a" / "metrics.json").read_text())["summary"]
+    # on loopback (CCR far below 0.5) nothing lossy can pay off: DDP from the first step, nothing metered
+    assert summary["algorithm"] == "auto" and summary["auto_choice"] == "allreduce" and summary["auto_stages"] == []
+    assert summary["auto_setup_seconds"] > 0 and "auto (online): base allreduce, metering nothing" in first.stdout
+    resumed = run_cli([*args, "--max-steps", "5", "--checkpoint", str(ckpt), "--resume", "latest", "--out",
+                       str(tmp_path / "b")], timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = json.loads((tmp_path / "b" / "metrics.json").read_text())["summary"]
+    assert again["steps"] == 5 and again["auto_choice"] == "allreduce"
+    not_auto = run_cli(["train", "--algorithm", "fp16", "--auto-probe", "online"], timeout=60)
+    assert not_auto.returncode != 0 and "auto_probe 'online' needs algorithm 'auto'" in not_auto.stderr

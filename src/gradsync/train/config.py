@@ -42,6 +42,9 @@ class TrainConfig(SharedConfig):
     algorithm: str = option("allreduce", "gradient-synchronisation algorithm; auto: the setting with the least "
                             "predicted time to quality on the measured network (gradsync.profiler.auto)",
                             choices=sorted([*REGISTRY, AUTO]))
+    auto_probe: str = option("copies", "how --algorithm auto measures: copies (a start-up probe on copies of the model, "
+                             "gradsync.profiler.auto) or online (on the job's own first steps, gradsync.profiler.online;"
+                             " among the hooks that work on any DDP bucket layout)", choices=["copies", "online"])
     bucket_cap_mb: Union[float, str] = option(AUTO, "DDP bucket size; auto: the model's gradient size / 16, "
                                               "clamped to [0.01, 25] (at least 8 buckets, so compression can "
                                               "overlap with the backward pass)", low=0.0, high=1024.0,
@@ -95,6 +98,8 @@ class TrainConfig(SharedConfig):
             raise ValueError("checkpoint_every needs checkpoint (--checkpoint DIR) to say where to write")
         if self.resume == "latest" and not self.checkpoint:
             raise ValueError("resume 'latest' needs checkpoint (--checkpoint DIR) to say where to look")
+        if self.auto_probe != "copies" and self.algorithm != AUTO:
+            raise ValueError(f"auto_probe {self.auto_probe!r} needs algorithm 'auto'; got algorithm {self.algorithm!r}")
         if self.algorithm == AUTO:
             if self.options:
                 raise ValueError(f"options {', '.join(sorted(self.options))} cannot be given with algorithm 'auto', "

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from ..algorithms import BuildContext, Precision, build, parse_entry
+from ..algorithms.synchroniser import HookSynchroniser
 from ..options import AUTO
 from ..profiler.auto import probe_batches, resolve_auto
+from ..profiler.online import OnlineAutoState, online_auto_hook, plan_online
 from ..algorithms.base import compression_ratio
 from ..comm.agreement import check_config_agreement
 from ..launch import rank_progress
@@ -60,6 +62,23 @@ def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tenso
               f"{decision.probe_seconds:.1f} s: {decision.describe_phases()})", flush=True)
     name, options = parse_entry(decision.entry)
     return dataclasses.replace(cfg, algorithm=name, options=options), decision.summary()
+
+
+def _online_auto(cfg: TrainConfig, ctx: BuildContext, train_x: torch.Tensor, train_y: torch.Tensor, workload: Any,
+                 loss_fn: Callable, rank: int, world: int, device: torch.device, job_steps: int) -> OnlineAutoState:
+    """``--algorithm auto --auto-probe online`` (collective): the start-up measurements on copies of ``ctx.model``
+    (:func:`~gradsync.profiler.online.plan_online`, within a share of the run's ``job_steps`` steps) and the
+    hook state that decides on the run's own first steps. A resumed run measures the start-up again; its
+    checkpoint's hook state then holds the choice (or, taken before the decision, restarts the measurement)."""
+    probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
+                          augment=lambda t: workload.augment(t.to(device)))
+    probe = [(x, y.to(device)) for x, y in probe]
+    plan = plan_online(ctx.model, probe, loss_fn, ctx.make_optimizer, cfg.workload, cfg.batch_size,
+                       ctx.bucket_cap_mb, job_steps=job_steps)
+    if rank == 0:
+        print(f"auto (online): base {plan.base}, metering {', '.join(plan.metered) or 'nothing'} on the first steps "
+              f"(start-up {plan.setup_seconds:.1f} s)", flush=True)
+    return OnlineAutoState(plan, ctx.model, seed=cfg.seed)
 
 
 def continue_schedule(make: Callable[[int], Any], saved_total: int, total: int, step: int,
@@ -151,16 +170,21 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     ctx = BuildContext(model=model, make_optimizer=make_optimizer, bucket_cap_mb=bucket_cap_mb, device=device,
                        seed=cfg.seed, batch_size=cfg.batch_size, steps_per_epoch=steps_per_epoch,
                        scaler=precision.scaler)
-    requested, auto = cfg.algorithm, None
-    if cfg.algorithm == AUTO:
-        cfg, auto = _resolve_auto(cfg, model, train_x, train_y, workload, loss_fn, make_optimizer, bucket_cap_mb,
-                                  rank, world, device, total_steps)
-    algorithm, options = cfg.algorithm, cfg.options
-    dp = build(algorithm, ctx, options)
+    requested, auto, online = cfg.algorithm, None, None
+    if cfg.algorithm == AUTO and cfg.auto_probe == "online":
+        online = _online_auto(cfg, ctx, train_x, train_y, workload, loss_fn, rank, world, device, total_steps)
+        dp = HookSynchroniser(AUTO, ctx, online, online_auto_hook)
+    else:
+        if cfg.algorithm == AUTO:
+            cfg, auto = _resolve_auto(cfg, model, train_x, train_y, workload, loss_fn, make_optimizer, bucket_cap_mb,
+                                      rank, world, device, total_steps)
+        dp = build(cfg.algorithm, ctx, cfg.options)
+    algorithm = cfg.algorithm
     opt = dp.optimizer
     check_config_agreement(dp.config())
-    dp.warm_up(warm, loss_fn)
-    bucket_warning = _bucket_warning(algorithm, dp, rank)
+    if online is None:  # online auto's first step is its start step (DDP's bucket rebuild), and it trains
+        dp.warm_up(warm, loss_fn)
+    bucket_warning = None if online is not None else _bucket_warning(algorithm, dp, rank)
     ccr = None
     if dp.needs_ccr:
         ccr = measure_ccr(dp.bucket_numels(), compute.backward_s, dtype=dp.wire_dtype or torch.float32)
@@ -264,7 +288,7 @@ def run(cfg: TrainConfig, device: torch.device | None = None) -> dict[str, Any] 
     iter_times = [it["iter_s"] for it in iterations]
     summary = {
         "algorithm": requested,
-        **(auto or {}),
+        **(auto or {}), **(online.summary() if online is not None else {}),
         "world_size": world,
         "epochs": len(epoch_log),
         "steps": step,
