@@ -260,7 +260,10 @@ class OnlineAutoState(HookState):
         return self.hooks[entry]
 
     def _begin_step(self) -> None:
-        """At an iteration's first bucket: time the last step, then take this step's decision."""
+        """At an iteration's first bucket: time the last step, then take this step's decision (nothing once
+        settled: the clock synchronises the device)."""
+        if self.phase == "settled":
+            return
         now = self.clock()
         if self._last is not None:
             self.step_seconds.append((self._last[0], now - self._last[1]))
