@@ -137,7 +137,8 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     world = dist.get_world_size(group)
     bandwidth = effective_bandwidth_mbit(prof, world, allreduce_s)
     simulated = advise(prof, world, bandwidth, allowed=hookable)
-    family = optimizer_family(make_optimizer([torch.nn.Parameter(torch.zeros(1))]))
+    device = next(model.parameters()).device
+    family = optimizer_family(make_optimizer([torch.nn.Parameter(torch.zeros(1, device=device))]))
     errors: dict[str, float] = {}
     metered: list[str] = []
     budget = math.inf if job_steps is None else _probe_budget(simulated, hookable, job_steps)
