@@ -9,18 +9,20 @@ rest rides on the job's own DDP steps (:class:`OnlineAutoState`, a communication
 
 1. **start** (:data:`~gradsync.profiler.probe.START_STEPS` iterations): the job trains on the lossless
    ``base`` (DDP or a 16-bit cast: :func:`~gradsync.profiler.auto._untimed_cast`), DDP rebuilds its buckets;
-2. **meter** (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations): the job still trains on the base's
-   aggregate while every lossy candidate runs on copies of the same buckets under a
-   :class:`~gradsync.algorithms.meter.QualityMeter` (their relative error against a dense all-reduce of
-   :data:`~gradsync.algorithms.meter.REFERENCE_FRACTION` of each gradient tensor, and the gradient noise);
-   the probe's only extra cost is the candidates' traffic and computation, not the forward and backward
-   passes. This is :meth:`~gradsync.profiler.probe._ProbeCopy.measure_errors_training`'s arrangement, on
-   the job itself;
-3. **race**: the all-reduced errors go through the quality model and the simulator
-   (:func:`~gradsync.profiler.advise.advise`); the short-list then trains the job in rounds (one step of
-   each, a fresh hook state each, so no residual measured on another setting's training is sent), each
-   step timed as the period between its first bucket and the next step's (a device-synchronising clock:
-   the whole iteration as the job runs it); after :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds
+2. **meter**, stage by stage (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations each): one candidate
+   trains the job (its aggregate is DDP's, its error feedback its own) under a
+   :class:`~gradsync.algorithms.meter.QualityMeter`: its relative error against a dense all-reduce of
+   :data:`~gradsync.algorithms.meter.REFERENCE_FRACTION` of each gradient tensor, the gradient noise, and its
+   computation per step (GraVAC's compression gain measured on the compressor in use, Tyagi & Sharma 2023,
+   §3.2). The probe's extra cost is the reference's traffic; on a slow network a lossless base would cost
+   more (on 2 hosts at 15 Mbit/s the MobileNetV2's fp16 step was 0.25 s, PowerSGD r=8's 0.13 s). PowerSGD's
+   ranks are searched by bisection (:meth:`OnlineAutoState._next_stage`);
+3. **race**: the all-reduced errors go through the quality model (:data:`~gradsync.profiler.quality_model.FITTED_TRAINING`, fitted on errors
+   measured on a copy that trains) and the simulator (:func:`~gradsync.profiler.advise.advise`); the
+   short-list then trains the job in rounds (one step of each; a metered candidate keeps the state it
+   trained with), each step timed as the period between its first bucket and the next step's (a
+   device-synchronising clock: the whole iteration as the job runs it); after
+   :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds
    the medians (MAX over ranks) eliminate (:func:`~gradsync.profiler.probe.race`) until one is left, the
    rest tie, or :data:`~gradsync.profiler.probe.TIMED_STEPS` rounds were run;
 4. **settled**: the least timed iteration x (1 + predicted extra steps)
@@ -116,10 +118,8 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
 
     ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
     :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
-    the fastest lossless setting): the metered candidates are cut, costliest first, to what the budget
-    pays for their :data:`QUALITY_STEPS` steps of extra traffic and a race of
-    :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds; the race then runs while what is left pays for
-    its next round (:meth:`OnlineAutoState._race_step`).
+    the fastest lossless setting), of which each metered stage and the race spend what is left
+    (:meth:`OnlineAutoState._next_stage`, :meth:`OnlineAutoState._race_step`).
 
     Raises:
         ValueError: for empty ``batches``, a world size < 2 or ``job_steps`` < 1.
@@ -152,8 +152,6 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
         e == "allreduce" or e in CASTS)).choice.entry  # DDP unless a cast is predicted MIN_GAIN x faster
     base = lossless if lossless == "allreduce" else (_untimed_cast(errors, hookable) or "allreduce")
     setup = max_seconds(time.perf_counter() - t0, group)
-    sim = {r.entry: r.iteration_s for r in simulated.predictions}
-    metered = _affordable_meter(metered, sim, prof.compute_s, sim["allreduce"], budget - setup)
     return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist)
 
 
@@ -172,9 +170,10 @@ def max_seconds(seconds: float, group: Any) -> float:
 
 
 def _meter_excess(metered: Sequence[str], sim: dict, compute_s: float, ddp_s: float) -> float:
-    """Predicted seconds one metered step costs beyond the base's: every candidate's simulated
-    communication and compression (its iteration minus compute) and the reference's share of DDP's."""
-    return (sum(max(0.0, sim.get(quality_proxy(e), sim[e]) - compute_s) for e in dict.fromkeys(metered))
+    """Predicted seconds one metered step costs beyond the iteration of its first entry (which trains the
+    job): every other entry's simulated communication and compression (its iteration minus compute) and the
+    reference's share of DDP's."""
+    return (sum(max(0.0, sim.get(quality_proxy(e), sim[e]) - compute_s) for e in dict.fromkeys(metered[1:]))
             + REFERENCE_FRACTION * max(0.0, ddp_s - compute_s))
 
 
@@ -314,30 +313,32 @@ class OnlineAutoState(HookState):
         return self.plan.budget_s - self.plan.setup_seconds - (self._probe_s - self._probe_steps * best)
 
     def _start_stage(self, stage: Sequence[str]) -> None:
-        """Meter ``stage`` beside the base for the next :data:`QUALITY_STEPS` steps (or, empty, start the race)."""
+        """Meter ``stage`` for the next :data:`QUALITY_STEPS` steps, its first entry training the job (its
+        aggregate is DDP's) and any other on copies of the same buckets (or, empty, start the race)."""
         if not stage:
             self._start_race()
             return
         self.phase, self._stage, self._stage_start = "meter", list(stage), self.iteration
         self.stages.append(list(stage))
-        self.meter.hooks = [self._hook(self.plan.base), *(self._metered_pair(e) for e in stage), LOCAL_GRADIENT]
+        self.current = stage[0]
+        self.meter.hooks = [self._hook(stage[0]), *(self._metered_pair(e) for e in stage[1:]), LOCAL_GRADIENT]
         self.meter.primary = 0
         self.meter.reset()
         self.meter.on = True
 
     def _end_stage(self) -> None:
-        """All-reduce the stage's sums (errors and noise), its candidates' computation per step and the probe
+        """All-reduce the stage's sums (errors and noise), its entries' computation per step and the probe
         steps' seconds (MAX over ranks); then the next stage, or the race."""
         self.meter.on = False
         sums = self.meter.sums().to(collective_device(self.process_group))
         dist.all_reduce(sums, group=self.process_group)
         self.count_collective(sums)
-        _, *errors, noise = relative_errors(sums / self.plan.world_size)
-        metered = self.meter.hooks[1:-1]
-        agreed = max_over_ranks([*(state.stats()["compress_seconds"] / QUALITY_STEPS for state, _ in metered),
+        *errors, noise = relative_errors(sums / self.plan.world_size)
+        hooks = self.meter.hooks[:-1]
+        agreed = max_over_ranks([*(state.stats()["compress_seconds"] / QUALITY_STEPS for state, _ in hooks),
                                  sum(s for _, s in self.step_seconds)], self.process_group)
         self.count_payload(8 * len(agreed))
-        for state, _ in metered:
+        for state, _ in hooks[1:]:  # the copies' hooks; the first trained the job and may be raced
             state.close()
         self.meter.hooks = []
         self.errors.update(zip(self._stage, errors))
@@ -376,9 +377,8 @@ class OnlineAutoState(HookState):
         self.phase = "race"
         self._live = list(short)
         self._times = {e: [] for e in short}
-        for e in short:
-            if e != self.plan.base:
-                self._hook(e, fresh=True)
+        for e in short:  # a metered entry keeps the state it trained the job with
+            self._hook(e)
 
     def _race_step(self) -> None:
         """Choose this step's entry: the next of the round. At a round's end, from round
