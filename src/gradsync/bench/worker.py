@@ -30,7 +30,7 @@ from ..launch import write_result
 from ..options import AUTO
 from ..profiler.auto import resolve_auto
 from ..profiler.online import OnlineAutoState, online_auto_hook, plan_online
-from ..profiler.probe import QUALITY_STEPS
+from ..profiler.probe import QUALITY_STEPS, START_STEPS
 from ..profiler.ccr import measure_ccr, time_dense_rs_ag
 from ..profiler.compute import time_compute
 from ..profiler.profile import record_profile
@@ -263,12 +263,14 @@ def _online_auto(plan: Any, model0: torch.nn.Module, make_optimizer: Callable, c
                  loss_fn: Callable, chosen: dict) -> Synchroniser:
     """The ``auto`` entry decided on its own first steps (:mod:`gradsync.profiler.online`): a copy of
     ``model0`` trains under :class:`~gradsync.profiler.online.OnlineAutoState` on ``batches`` (cycled) until
-    it settles; each of those steps' seconds and the decision go to ``chosen[AUTO]``. Returns the synchroniser,
+    it settles (after its start step, DDP's bucket rebuild, run untimed as every entry's warm-up); each of
+    those steps' seconds and the decision go to ``chosen[AUTO]``. Returns the synchroniser,
     settled, to be timed like any entry (later rounds build the chosen entry itself)."""
     ctx = BuildContext(model=copy.deepcopy(model0), make_optimizer=make_optimizer, bucket_cap_mb=cfg.bucket_cap_mb,
                        seed=cfg.seed, batch_size=cfg.batch_size)
     state = OnlineAutoState(plan, ctx.model, seed=cfg.seed)
     dp = HookSynchroniser(AUTO, ctx, state, online_auto_hook)
+    dp.warm_up(batches[:START_STEPS])  # its start step (DDP's bucket rebuild), untimed as every entry's warm-up
     times: list[float] = []
     step = 0
     while state.phase != "settled":
