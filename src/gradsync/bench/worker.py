@@ -270,7 +270,7 @@ def _online_auto(plan: Any, model0: torch.nn.Module, make_optimizer: Callable, c
                        seed=cfg.seed, batch_size=cfg.batch_size)
     state = OnlineAutoState(plan, ctx.model, seed=cfg.seed)
     dp = HookSynchroniser(AUTO, ctx, state, online_auto_hook)
-    dp.warm_up(batches[:START_STEPS])  # its start step (DDP's bucket rebuild), untimed as every entry's warm-up
+    dp.warm_up(batches[:START_STEPS], loss_fn)  # its start step (DDP's bucket rebuild), untimed as every entry's warm-up
     times: list[float] = []
     step = 0
     while state.phase != "settled":
