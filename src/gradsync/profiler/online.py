@@ -41,6 +41,7 @@ every rank measures alike).
 
 # No "from __future__ import annotations": DDP checks the hook annotations at runtime.
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -247,6 +248,7 @@ class OnlineAutoState(HookState):
         self._last: Optional[tuple[str, float]] = None
         self._noises: list[float] = []
         self._probe_s, self._probe_steps = 0.0, 0
+        self._stage_medians: list[float] = []
         self._stage: list[str] = []
         self._stage_start = iteration
 
@@ -308,8 +310,13 @@ class OnlineAutoState(HookState):
 
     def _left(self, sim: dict) -> float:
         """Seconds of the budget left (agreed: from the plan and agreed step times): the start-up, and the
-        probe's steps so far beyond the fastest simulated candidate's iteration."""
-        best = min(sim[e] for e in sim if e == "allreduce" or e in self.plan.metered or e in CASTS)
+        probe's steps so far beyond the fastest stage's median step (a metered step is the candidate's own
+        training step plus the reference; the simulated iteration only before any was measured: on 4 hosts at
+        15 Mbit/s it put PowerSGD's step at half the measured one, and the budget ran out before a race)."""
+        if self._stage_medians:
+            best = min(self._stage_medians)
+        else:
+            best = min(sim[e] for e in sim if e == "allreduce" or e in self.plan.metered or e in CASTS)
         return self.plan.budget_s - self.plan.setup_seconds - (self._probe_s - self._probe_steps * best)
 
     def _start_stage(self, stage: Sequence[str]) -> None:
@@ -336,13 +343,15 @@ class OnlineAutoState(HookState):
         *errors, noise = relative_errors(sums / self.plan.world_size)
         hooks = self.meter.hooks[:-1]
         agreed = max_over_ranks([*(state.stats()["compress_seconds"] / QUALITY_STEPS for state, _ in hooks),
+                                 statistics.median(s for _, s in self.step_seconds[-QUALITY_STEPS:]),
                                  sum(s for _, s in self.step_seconds)], self.process_group)
         self.count_payload(8 * len(agreed))
         for state, _ in hooks[1:]:  # the copies' hooks; the first trained the job and may be raced
             state.close()
         self.meter.hooks = []
         self.errors.update(zip(self._stage, errors))
-        self.overheads.update(zip(self._stage, agreed[:-1]))
+        self.overheads.update(zip(self._stage, agreed[:-2]))
+        self._stage_medians.append(agreed[-2])
         self._noises.append(noise)
         self.noise = sum(self._noises) / len(self._noises)
         self._probe_s, self._probe_steps = agreed[-1], len(self.step_seconds)
