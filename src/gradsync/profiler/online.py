@@ -74,7 +74,8 @@ class OnlinePlan:
         world_size: ranks.
         bandwidth_mbit: the measured network as one link rate (Mbit/s;
             :func:`~gradsync.profiler.auto.effective_bandwidth_mbit`).
-        base: the lossless entry the job trains on until the decision (``allreduce``, ``fp16`` or ``bf16``).
+        base: the lossless entry (``allreduce``, ``fp16`` or ``bf16``) the job trains on in its start step, and
+            for good where nothing is worth metering or no race is paid for.
         metered: the lossy candidates metered on the job's steps (entries that work on any bucket layout).
         errors: ``{entry: relative error}`` known before training (the 16-bit casts').
         family: the optimizer family the quality model judges errors against.
@@ -114,8 +115,9 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     the job's first step: the compute profile and the dense all-reduce time (MAX over ranks,
     :func:`~gradsync.profiler.auto.measure_start`) and the 16-bit casts' errors
     (:func:`~gradsync.profiler.probe.cast_errors`). Each lossy hook's own computation per step is timed
-    later, while it is metered on the job (not in a group of the rank alone, as the start-up probe does). Only entries that work on any DDP bucket layout
-    (``is_hook(e, any_buckets=True)``) and ``allowed`` are candidates: the job's own DDP runs them.
+    later, while it is metered on the job (not in a group of the rank alone, as the start-up probe does).
+    Only entries that work on any DDP bucket layout (``is_hook(e, any_buckets=True)``) and ``allowed`` are
+    candidates: the job's own DDP runs them.
 
     ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
     :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
