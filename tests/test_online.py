@@ -12,24 +12,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed import run_ranks
+from test_probe import _job, _optimizer  # the same 2-rank MLP job and SGD
 from gradsync.profiler.probe import QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS
 
 R1, R4 = "powersgd-overlap:matrix_approximation_rank=1", "powersgd-overlap:matrix_approximation_rank=4"
 #: the test's step times by entry, in units of DDP's simulated iteration: PowerSGD r=4 the fastest
 STEP_S = {"allreduce": 1.0, "fp16": 0.6, R1: 0.45, R4: 0.3}
-
-
-def _job(rank):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                                torch.nn.Linear(64, 4))
-    g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches
-    batches = [(torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(8)]
-    return model, batches
-
-
-def _optimizer(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 class _StepClock:

@@ -268,9 +268,7 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
     sim_iteration = {r.entry: r.iteration_s for r in simulated.predictions}
     lossless = min(sim_iteration[e] for e in sim_iteration if e == "allreduce" or (e in CASTS and allowed(e)))
     if simulated.ccr >= LOW_CCR:
-        worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if allowed(e)]
-        casts = [e for e in worth if e in CASTS]
-        metered = [e for e in worth if e not in CASTS]
+        casts, metered = split_candidates(simulated, allowed)
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
         probe = None
@@ -323,6 +321,14 @@ def decide(prof: Profile, allreduce_s: float, model: torch.nn.Module,
                         noise=noise, family=family, probe_seconds=spent, overheads=overheads)
     return AutoDecision(advice.choice.entry, advice, errors, iterations, spent, phases, noise, family, timed_steps,
                         None if job_steps is None else budget, overheads)
+
+
+def split_candidates(simulated: Advice, allowed: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """``(casts, metered)``: the ``allowed`` settings worth measuring in ``simulated``
+    (:func:`~gradsync.profiler.advise.worth_measuring`, but :data:`NOT_PROBED`), split into the 16-bit casts
+    (their error needs no communication) and the rest (metered on the job's gradients)."""
+    worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if allowed(e)]
+    return [e for e in worth if e in CASTS], [e for e in worth if e not in CASTS]
 
 
 def _probe_budget(simulated: Advice, allowed: Callable[[str], bool], job_steps: int) -> float:
@@ -465,6 +471,23 @@ def optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
     return make_optimizer
 
 
+def script_job(ddp: Any, optimizer: Any, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+               ) -> tuple[Callable[[Any], torch.optim.Optimizer], int, float]:
+    """``(make_optimizer, batch_size, bucket_cap_mb)`` of a script's ``DistributedDataParallel`` for auto:
+    :func:`optimizer_factory` of its optimizer, the first batch's leading dimension (1 without batches) and
+    DDP's bucket size (MB).
+
+    Raises:
+        ValueError: for a ``ddp`` that is no ``DistributedDataParallel`` or a non-optimizer.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp, DistributedDataParallel):
+        raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
+    return (optimizer_factory(optimizer), int(batches[0][0].shape[0]) if batches else 1,
+            ddp.bucket_bytes_cap / 2 ** 20)
+
+
 def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   job_steps: int | None = None) -> tuple[Any, AutoDecision]:
@@ -495,16 +518,10 @@ def register_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[
         ValueError: for a ``ddp`` that is no ``DistributedDataParallel``, empty ``batches`` or a world
             size < 2.
     """
-    from torch.nn.parallel import DistributedDataParallel
-
     from ..algorithms import build_hook, parse_entry
 
-    if not isinstance(ddp, DistributedDataParallel):
-        raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
-    make_optimizer = optimizer_factory(optimizer)
-    bucket_cap_mb = ddp.bucket_bytes_cap / 2 ** 20
-    decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, "script",
-                            int(batches[0][0].shape[0]) if batches else 1, bucket_cap_mb,
+    make_optimizer, batch_size, bucket_cap_mb = script_job(ddp, optimizer, batches)
+    decision = resolve_auto(ddp.module, list(batches), loss_fn, make_optimizer, "script", batch_size, bucket_cap_mb,
                             allowed=lambda e: is_hook(e, any_buckets=True), group=ddp.process_group,
                             job_steps=job_steps)
     name, options = parse_entry(decision.entry)

@@ -53,7 +53,7 @@ from ..algorithms.base import HookState, compression_ratio
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
 from ..comm.collectives import collective_device, max_over_ranks
 from ..sim.profile import Profile
-from .advise import CASTS, LOW_CCR, advise, is_hook, worth_measuring
+from .advise import CASTS, LOW_CCR, advise, is_hook
 from .compute import device_clock
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
                     cast_errors, quality_proxy, race)
@@ -127,7 +127,7 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     Raises:
         ValueError: for empty ``batches``, a world size < 2 or ``job_steps`` < 1.
     """
-    from .auto import NOT_PROBED, _probe_budget, _untimed_cast, effective_bandwidth_mbit, measure_start
+    from .auto import _probe_budget, _untimed_cast, effective_bandwidth_mbit, measure_start, split_candidates
 
     if not batches:
         raise ValueError("batches must hold at least one (inputs, targets) batch")
@@ -146,9 +146,7 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     metered: list[str] = []
     budget = math.inf if job_steps is None else _probe_budget(simulated, hookable, job_steps)
     if simulated.ccr >= LOW_CCR:
-        worth = [e for e in worth_measuring(simulated, skip=NOT_PROBED) if hookable(e)]
-        casts = [e for e in worth if e in CASTS]
-        metered = [e for e in worth if e not in CASTS]
+        casts, metered = split_candidates(simulated, hookable)
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
     lossless = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: hookable(e) and (
@@ -521,15 +519,11 @@ def register_online_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Se
         ValueError: for a ``ddp`` that is no ``DistributedDataParallel``, empty ``batches`` or a world
             size < 2.
     """
-    from torch.nn.parallel import DistributedDataParallel
+    from .auto import script_job
 
-    from .auto import optimizer_factory
-
-    if not isinstance(ddp, DistributedDataParallel):
-        raise ValueError(f"ddp must be a torch DistributedDataParallel, got {type(ddp).__name__}")
     batches = list(batches)
-    plan = plan_online(ddp.module, batches, loss_fn, optimizer_factory(optimizer), "script",
-                       int(batches[0][0].shape[0]) if batches else 1, ddp.bucket_bytes_cap / 2 ** 20,
+    make_optimizer, batch_size, bucket_cap_mb = script_job(ddp, optimizer, batches)
+    plan = plan_online(ddp.module, batches, loss_fn, make_optimizer, "script", batch_size, bucket_cap_mb,
                        group=ddp.process_group, job_steps=job_steps)
     state = OnlineAutoState(plan, ddp.module, process_group=ddp.process_group)
     ddp.register_comm_hook(state, online_auto_hook)
