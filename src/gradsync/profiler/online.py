@@ -3,9 +3,9 @@
 The start-up probe (:mod:`gradsync.profiler.auto`) measures on private copies of the model, so every
 second it spends is start-up time: on a 1-epoch MobileNetV2-style job at 2 hosts x 15 Mbit/s it was
 5.4 s of a 38.1 s job, more than issue 31's 10 % bar by itself. Here only the cheap part runs before
-training (:func:`plan_online`: the compute profile, the dense all-reduce, each lossy hook's own
-computation and the 16-bit casts' error, as in :func:`~gradsync.profiler.auto.resolve_auto`), and the
-rest rides on the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
+training (:func:`plan_online`: the compute profile, the dense all-reduce and the 16-bit casts' error, as in
+:func:`~gradsync.profiler.auto.resolve_auto`), and the rest, each lossy hook's computation included, rides on
+the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
 
 1. **start** (:data:`~gradsync.profiler.probe.START_STEPS` iterations): the job trains on the lossless
    ``base`` (DDP or a 16-bit cast: :func:`~gradsync.profiler.auto._untimed_cast`), DDP rebuilds its buckets;
@@ -152,7 +152,7 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     lossless = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: hookable(e) and (
         e == "allreduce" or e in CASTS)).choice.entry  # DDP unless a cast is predicted MIN_GAIN x faster
     base = lossless if lossless == "allreduce" else (_untimed_cast(errors, hookable) or "allreduce")
-    setup = max_seconds(time.perf_counter() - t0, group)
+    setup = max_over_ranks([time.perf_counter() - t0], group)[0]  # the ranks' clocks differ
     return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist)
 
 
@@ -163,11 +163,6 @@ def _rank(entry: str) -> Optional[int]:
         return None
     options = dict(item.split("=", 1) for item in rest.split(":") if "=" in item)
     return int(options.get("matrix_approximation_rank", 2))
-
-
-def max_seconds(seconds: float, group: Any) -> float:
-    """Collective: ``seconds`` MAX over the ranks of ``group`` (the ranks' clocks differ)."""
-    return max_over_ranks([seconds], group)[0]
 
 
 def _meter_excess(metered: Sequence[str], sim: dict, compute_s: float, ddp_s: float) -> float:
@@ -252,13 +247,19 @@ class OnlineAutoState(HookState):
         self._stage: list[str] = []
         self._stage_start = iteration
 
-    def _hook(self, entry: str, fresh: bool = False) -> tuple:
-        if entry not in self.hooks or fresh:
-            pair = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
-            if self.iteration > 0:
-                pair[0].skip_start()
-            self.hooks[entry] = pair
-            self.spent.append(pair)
+    def _build(self, entry: str) -> tuple:
+        """A new ``(state, hook)`` of ``entry`` on the job's model, compressing from its first step once DDP
+        has rebuilt its buckets; its counters add up in :meth:`stats`."""
+        pair = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
+        if self.iteration > 0:
+            pair[0].skip_start()
+        self.spent.append(pair)
+        return pair
+
+    def _hook(self, entry: str) -> tuple:
+        """``entry``'s ``(state, hook)`` that trains the job, built at its first use."""
+        if entry not in self.hooks:
+            self.hooks[entry] = self._build(entry)
         return self.hooks[entry]
 
     def _begin_step(self) -> None:
@@ -280,12 +281,6 @@ class OnlineAutoState(HookState):
             self._race_step()
         if self.phase in ("meter", "race"):
             self._last = (self.current, self.clock())
-
-    def _metered_pair(self, entry: str) -> tuple:
-        pair = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
-        pair[0].skip_start()
-        self.spent.append(pair)
-        return pair
 
     def _next_stage(self) -> list[str]:
         """The candidates to meter next, cut to what the budget left pays for. PowerSGD's error falls as its
@@ -328,7 +323,7 @@ class OnlineAutoState(HookState):
         self.phase, self._stage, self._stage_start = "meter", list(stage), self.iteration
         self.stages.append(list(stage))
         self.current = stage[0]
-        self.meter.hooks = [self._hook(stage[0]), *(self._metered_pair(e) for e in stage[1:]), LOCAL_GRADIENT]
+        self.meter.hooks = [self._hook(stage[0]), *(self._build(e) for e in stage[1:]), LOCAL_GRADIENT]
         self.meter.primary = 0
         self.meter.reset()
         self.meter.on = True
@@ -486,8 +481,8 @@ class OnlineAutoState(HookState):
 
 def online_auto_hook(state: OnlineAutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of :class:`OnlineAutoState`: at an iteration's first bucket the step's
-    decision (from all-reduced numbers only); then the base under the quality meter while metering, else
-    the current entry's hook."""
+    decision (from all-reduced numbers only); then, while metering, the metered candidate under the quality
+    meter, else the current entry's hook."""
     if not state._in_step:
         state._in_step = True
         state._begin_step()

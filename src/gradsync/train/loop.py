@@ -35,6 +35,15 @@ from .evaluate import evaluate
 
 
 
+def _probe_batches(cfg: TrainConfig, train_x: torch.Tensor, train_y: torch.Tensor, workload: Any, rank: int,
+                   world: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's probe batches for auto (:func:`~gradsync.profiler.auto.probe_batches`), augmented as the
+    run trains and on ``device``."""
+    probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
+                          augment=lambda t: workload.augment(t.to(device)))
+    return [(x, y.to(device)) for x, y in probe]
+
+
 def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tensor, train_y: torch.Tensor,
                   workload: Any, loss_fn: Callable, make_optimizer: Callable, bucket_cap_mb: float, rank: int,
                   world: int, device: torch.device, job_steps: int) -> tuple[TrainConfig, dict[str, Any]]:
@@ -52,9 +61,7 @@ def _resolve_auto(cfg: TrainConfig, model: torch.nn.Module, train_x: torch.Tenso
                 print(f"auto: {entry}: the choice recorded in {path}", flush=True)
             return (dataclasses.replace(cfg, algorithm=recorded["algorithm"], options=recorded["options"]),
                     {"auto_choice": entry, "auto_reason": f"resumed from {path}"})
-    probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
-                          augment=lambda t: workload.augment(t.to(device)))
-    probe = [(x, y.to(device)) for x, y in probe]
+    probe = _probe_batches(cfg, train_x, train_y, workload, rank, world, device)
     decision = resolve_auto(model, probe, loss_fn, make_optimizer, cfg.workload,
                             cfg.batch_size, bucket_cap_mb, seed=cfg.seed, job_steps=job_steps)
     if rank == 0:
@@ -70,9 +77,7 @@ def _online_auto(cfg: TrainConfig, ctx: BuildContext, train_x: torch.Tensor, tra
     (:func:`~gradsync.profiler.online.plan_online`, within a share of the run's ``job_steps`` steps) and the
     hook state that decides on the run's own first steps. A resumed run measures the start-up again; its
     checkpoint's hook state then holds the choice (or, taken before the decision, restarts the measurement)."""
-    probe = probe_batches(train_x, train_y, cfg.batch_size, rank, world, cfg.seed,
-                          augment=lambda t: workload.augment(t.to(device)))
-    probe = [(x, y.to(device)) for x, y in probe]
+    probe = _probe_batches(cfg, train_x, train_y, workload, rank, world, device)
     plan = plan_online(ctx.model, probe, loss_fn, ctx.make_optimizer, cfg.workload, cfg.batch_size,
                        ctx.bucket_cap_mb, job_steps=job_steps)
     if rank == 0:
