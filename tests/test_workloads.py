@@ -130,17 +130,24 @@ def test_workload_with_model_and_defaults():
     mobilenet = get_workload("fashion-mnist", "mobilenet")
     assert (mobilenet.optimizer == "sgd" and mobilenet.defaults == base.defaults
             and mobilenet.describe()["parameters"] == 161_418)
-    for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model()):
+    lenet = get_workload("fashion-mnist", "lenet")
+    assert lenet.optimizer == "sgd" and lenet.defaults == base.defaults and lenet.describe()["parameters"] == 281_034
+    for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
+              lenet.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
     with pytest.raises(ValueError, match="expansion >= 1"):
         TinyMobileNet(blocks=((0, 16, 1),))
+    from gradsync.workloads.lenet import LeNet
+
+    with pytest.raises(ValueError, match="widths and hidden must be >= 1"):
+        LeNet(hidden=0)
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, mobilenet, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, lenet, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

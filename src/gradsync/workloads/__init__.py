@@ -34,6 +34,7 @@ from .vit import TinyViT
 from .mixer import TinyMixer
 from .mlp import MLP
 from .mobilenet import TinyMobileNet
+from .lenet import LeNet
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -298,11 +299,13 @@ def _vision_choices() -> tuple[str, ...]:
 # next out-of-sample family. A plain MLP of 670k parameters (gradsync.workloads.mlp), the recipe's SGD: added
 # after the probe's budget and timing race were frozen (eighth session), their out-of-sample family. A
 # MobileNetV2-style depthwise-separable CNN of 161k parameters (gradsync.workloads.mobilenet), the recipe's SGD:
-# added after the ninth session's probe changes were frozen, their out-of-sample family.
+# added after the ninth session's probe changes were frozen, their out-of-sample family. A LeNet-5-style CNN of
+# 281k parameters (gradsync.workloads.lenet), the recipe's SGD: added after the online probe was frozen
+# (thirteenth session, 1cef260), its out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
                                                       "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
-                                                      "mobilenet": lambda: TinyMobileNet()}
+                                                      "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet()}
 
 
 _KJV_VOCAB_SIZE = 73
