@@ -328,7 +328,12 @@ EXPERIMENTS = [
                  f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1",
              ("--auto-probe", "online"))  # auto decided on the job's own steps since the thirteenth session
             for name, where, hosts, every in (("oos-mobilenet", "", "2", "26"),
-                                              ("oos-mobilenet-4hosts", " on 4 hosts", "4", "13"))))),
+                                              ("oos-mobilenet-4hosts", " on 4 hosts", "4", "13"))),
+          # the online probe's out-of-sample family (added after it was frozen at 1cef260); the MobileNet's grid
+          *((name, "a LeNet-5-style CNN with SGD", "lenet", "30,150", where, hosts, every,
+             "powersgd:matrix_approximation_rank=4," + ",".join(
+                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1", ("--auto-probe", "online"))
+            for name, where, hosts, every in (("oos-lenet", "", "2", "26"), ("oos-lenet-4hosts", " on 4 hosts", "4", "13"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",
