@@ -333,7 +333,12 @@ EXPERIMENTS = [
           *((name, "a LeNet-5-style CNN with SGD", "lenet", "30,150", where, hosts, every,
              "powersgd:matrix_approximation_rank=4," + ",".join(
                  f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1", ("--auto-probe", "online"))
-            for name, where, hosts, every in (("oos-lenet", "", "2", "26"), ("oos-lenet-4hosts", " on 4 hosts", "4", "13"))))),
+            for name, where, hosts, every in (("oos-lenet", "", "2", "26"), ("oos-lenet-4hosts", " on 4 hosts", "4", "13"))),
+          # the GRU again under the online probe: 1 epoch (the sixth-session rows above trained 2), the same grid
+          *((name, "the GRU with SGD under the online probe", "gru", "15,80", where, hosts, every,
+             "powersgd:matrix_approximation_rank=4," + ",".join(
+                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1", ("--auto-probe", "online"))
+            for name, where, hosts, every in (("online-gru", "", "2", "26"), ("online-gru-4hosts", " on 4 hosts", "4", "13"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",
