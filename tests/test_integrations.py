@@ -246,6 +246,20 @@ def _accelerate_auto(out: Path, rank: int, run, save_at: int, result: dict) -> N
     except ValueError as exc:
         result["auto_mismatch_error"] = str(exc)
     dist.barrier()
+    # online=True: decided on the loop's own steps; the decision and the winner's state go into the checkpoint
+    steps = WARMUP + 4 * K                        # the loop's optimizer steps
+    result["online"] = run({}, "auto", save_at=save_at, folder="acc_online_ckpt", online=True, job_steps=steps)
+    result["online_resumed"] = run({}, "auto", start=save_at, load_from=str(out / "acc_online_ckpt"), online=True,
+                                   job_steps=steps)
+    # without job_steps nothing limits the probe, which is still measuring at the save: the resume measures again
+    result["online_open"] = run({}, "auto", save_at=save_at, folder="acc_online_open", online=True)
+    result["online_open_resumed"] = run({}, "auto", start=save_at, load_from=str(out / "acc_online_open"), online=True)
+    try:
+        run({}, "auto", online=True, resume=str(out / "acc_online_ckpt"))
+    except ValueError as exc:
+        result["online_resume_error"] = str(exc)
+    for key in ("online", "online_resumed", "online_open", "online_open_resumed"):
+        result[key].pop("choice")
 
 
 def _accelerate_job(out: Path) -> None:
@@ -534,6 +548,27 @@ def test_accelerate_auto_chooses_alike_and_resumes_without_measuring(accelerate_
         assert r["auto_resumed"]["losses"] == pytest.approx(r["auto"]["losses"][-2 * K:], abs=1e-6, rel=0)
         assert r["auto_resumed_stats"]["iteration"] == WARMUP + 4 * K
     check_auto_resume(out, "accelerate", ranks, entry, "custom_checkpoint_0.pkl")
+
+
+def test_accelerate_online_auto_resumes_its_decision_or_measures_again(accelerate_runs):
+    """register_hook(model, "auto", ..., online=True). With the loop's 18 steps as ``job_steps`` its budget pays
+    for no measurement, so every rank settles on its base at the first step; HookCheckpoint saves that decision
+    with the hook's state and the resumed run (registered the same way, then accelerator.load_state) keeps it and
+    repeats the uninterrupted run's steps. Without ``job_steps`` the probe is still measuring at the save (no
+    choice): the resumed run starts measuring again from the saved step, alike on both ranks."""
+    _, ranks = accelerate_runs
+    choice = ranks[0]["online"]["stats"]["auto_choice"]
+    assert choice in ("allreduce", "fp16", "bf16")
+    for r in ranks:
+        assert r["online_open"]["saved"]["iteration"] == r["online_open_resumed"]["restored"]["iteration"] == 14
+        assert r["online_open"]["stats"]["auto_choice"] is None is r["online_open_resumed"]["stats"]["auto_choice"]
+        assert r["online_open_resumed"]["stats"]["iteration"] == WARMUP + 4 * K
+        assert "takes no resume=" in r["online_resume_error"]
+        online, resumed = r["online"], r["online_resumed"]
+        assert online["stats"]["auto_choice"] == resumed["stats"]["auto_choice"] == choice
+        assert resumed["restored"]["iteration"] == online["saved"]["iteration"] == WARMUP + 3 * K
+        assert resumed["losses"] == pytest.approx(online["losses"][-2 * K:], abs=1e-6, rel=0)
+        assert resumed["stats"]["iteration"] == online["stats"]["iteration"] == WARMUP + 4 * K
 
 
 def _disagree(rank, world):

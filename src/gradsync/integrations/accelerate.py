@@ -49,6 +49,18 @@ choice and measures nothing::
     accelerator.register_for_checkpointing(HookCheckpoint(state, "auto", accelerator.device, auto=choice))
     # accelerator.load_state("ckpt")                     # on resume, after register_for_checkpointing
     print(choice.entry, choice.decision)                 # rank 0 also printed one line: choice, reason, seconds
+
+With ``online=True`` the choice is made on the job's own first steps instead of copies of the model
+(:func:`gradsync.profiler.online.register_online_auto`): ``register_hook`` returns ``(state, None)``, the
+:class:`~gradsync.profiler.online.OnlineAutoState` that meters and races the candidates on the loop's
+steps and then keeps training with the winner (``state.choice`` once ``state.phase == "settled"``).
+``HookCheckpoint(state, "auto", accelerator.device)`` saves the decision with the winner's state; a
+resumed run registers the same way and ``accelerator.load_state`` restores it (a checkpoint written
+before the decision makes the resumed run measure again from its step)::
+
+    state, _ = register_hook(model, "auto", optimizer=optimizer, batches=batches, loss_fn=F.cross_entropy,
+                             job_steps=steps, online=True)   # steps: the loop's optimizer steps
+    accelerator.register_for_checkpointing(HookCheckpoint(state, "auto", accelerator.device))
 """
 
 from __future__ import annotations
@@ -64,7 +76,7 @@ from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choo
                    recorded_auto_entry)
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
-AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume", "job_steps")
+AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume", "job_steps", "online")
 
 
 def register_hook(model: Any, algorithm: str = "covap", process_group: dist.ProcessGroup | None = None,
@@ -97,6 +109,9 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
               then not needed).
             * ``job_steps`` (optional): the loop's optimizer steps; given, measuring spends at most
               :data:`gradsync.profiler.auto.PROBE_SHARE` of the job's predicted time.
+            * ``online`` (optional, default False): decide on the loop's own first steps
+              (:func:`gradsync.profiler.online.register_online_auto`); ``resume`` is then not taken
+              (``accelerator.load_state`` restores the decision).
 
     Returns:
         The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,
@@ -105,14 +120,17 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
         the :class:`~gradsync.integrations.auto.AutoChoice` (``entry`` registered; ``decision``: the
         :class:`~gradsync.profiler.auto.AutoDecision` measured, ``None`` on resume) for
         ``HookCheckpoint(state, "auto", device, auto=choice)``; ``(None, None)`` in a single-process
-        run. Rank 0 prints one line: the choice, why, and what measuring cost in seconds.
+        run. Rank 0 prints one line: the choice, why, and what measuring cost in seconds. With
+        ``online=True``: ``(state, None)``, ``state`` the :class:`~gradsync.profiler.online.OnlineAutoState`
+        for ``HookCheckpoint(state, "auto", device)``; nothing is printed (``state.summary()`` once settled).
 
     Raises:
         ValueError: for an unknown or DeAR algorithm or options out of range; if ``model`` is not a
             ``DistributedDataParallel`` although several processes run (FSDP, DeepSpeed). With
             ``"auto"``: for an unknown keyword, a missing ``optimizer``/``batches``/``loss_fn`` without
-            ``resume``, empty ``batches``; on every rank, for a ``resume`` folder without an ``auto``
-            hook state or ranks whose folders recorded different choices.
+            ``resume`` (with ``online=True``: at all), ``resume`` with ``online=True``, empty ``batches``;
+            on every rank, for a ``resume`` folder without an ``auto`` hook state or ranks whose folders
+            recorded different choices.
         RuntimeError: from PyTorch, if the model already has a communication hook.
     """
     ddp = find_ddp(model)
@@ -142,7 +160,10 @@ def _register_auto(ddp: Any, process_group: dist.ProcessGroup | None, options: d
     if unknown:
         raise ValueError(f"register_hook(model, 'auto', ...) takes the keyword arguments {', '.join(AUTO_ARGUMENTS)}; "
                          f"got {', '.join(unknown)} (auto chooses the algorithm's options)")
-    resume = options.get("resume")
+    resume, online = options.get("resume"), bool(options.get("online", False))
+    if online and resume is not None:
+        raise ValueError("register_hook(model, 'auto', ..., online=True) takes no resume=: register it as in the "
+                         "first run and accelerator.load_state restores the decision")
     if resume is None:
         missing = [k for k in AUTO_ARGUMENTS[:3] if options.get(k) is None]
         if missing:
@@ -151,6 +172,11 @@ def _register_auto(ddp: Any, process_group: dist.ProcessGroup | None, options: d
         if not list(options["batches"]):
             raise ValueError("register_hook(model, 'auto', ...) needs at least one (inputs, targets) batch")
         recorded, problem, source = None, None, None
+        if online:
+            from ..profiler.online import register_online_auto
+
+            return register_online_auto(ddp, options["optimizer"], list(options["batches"]), options["loss_fn"],
+                                        options.get("job_steps")), None
     else:
         recorded, problem, source = _recorded_choice(Path(resume))
     entry = agree_auto_entry(recorded, problem)
@@ -203,10 +229,13 @@ class HookCheckpoint:
         auto: with ``algorithm="auto"``, the :class:`~gradsync.integrations.auto.AutoChoice`
             ``register_hook`` returned: its ``entry`` is saved with the state (a resumed
             ``register_hook(..., resume=folder)`` reads it), and a checkpoint of another choice is refused.
+            None for the :class:`~gradsync.profiler.online.OnlineAutoState` of ``online=True``, whose own
+            ``state_dict`` holds its decision (saved as algorithm ``"auto-online"``).
 
     Raises:
         ValueError: for ``state`` ``None``, or ``auto`` given without ``algorithm="auto"`` or missing with
-            it; (``load_state_dict``) for a checkpoint of another algorithm, auto choice or world size.
+            it (but for an online state); (``load_state_dict``) for a checkpoint of another algorithm, auto
+            choice or world size.
     """
 
     def __init__(self, state: Any, algorithm: str, device: torch.device | str | None = None,
@@ -214,11 +243,15 @@ class HookCheckpoint:
         if state is None:
             raise ValueError("state must be the hook state register_hook returned; got None "
                              "(a single-process run has no hook to checkpoint)")
-        if (algorithm == AUTO) != (auto is not None):
+        from ..profiler.online import OnlineAutoState
+
+        online = isinstance(state, OnlineAutoState)
+        if (algorithm == AUTO) != (auto is not None or online) or (online and auto is not None):
             raise ValueError("HookCheckpoint(state, 'auto', device, auto=choice) takes the AutoChoice register_hook "
-                             f"returned with algorithm 'auto' only; got algorithm {algorithm!r}, auto={auto!r}")
+                             f"returned with algorithm 'auto' only (no choice for an online state); got algorithm "
+                             f"{algorithm!r}, auto={auto!r}")
         self.state = state
-        self.algorithm = algorithm
+        self.algorithm = state.config()["algorithm"] if online else algorithm
         self.device = device
         self.auto = auto
 
