@@ -8,10 +8,13 @@ the inputs of
 
     python benchmarks/probe_quality.py [--seeds 0,1,2] [--out benchmarks/data/probe_errors.json]
     python benchmarks/probe_quality.py --held-out --seeds 0,1 --out benchmarks/data/probe_errors_held_out.json
+    python benchmarks/probe_quality.py --held-out --models fashion-mnist:lenet --append --seeds 0,1 --out ...
 
 ``--held-out`` measures PowerSGD r=1/2/4/8/16 on auto's out-of-sample workloads instead (the GRU, the MLP-Mixer, the
-plain MLP and the MobileNetV2-style CNN at 2 and 4 ranks), which the fit never reads: what the frozen model predicts
-for them (``benchmarks/fit_quality_model.py --held-out-costs ... --held-out-errors ...``).
+plain MLP, the MobileNetV2-style CNN and the LeNet-5-style CNN at 2 and 4 ranks), which the fit never reads: what the
+frozen model predicts for them (``benchmarks/fit_quality_model.py --held-out-costs ... --held-out-errors ...``).
+``--models`` keeps only the named ones; ``--append`` keeps the jobs ``--out`` already holds for other models, world
+sizes or seeds (the file's ``commands`` lists every command that wrote it).
 
 ``--training-base fp16`` measures the same steps while the probe's copy trains on fp16's aggregate (the errors a
 probe riding on a job's first steps would see, :func:`~gradsync.profiler.probe.measure_quality`'s
@@ -33,7 +36,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 #: auto's out-of-sample workloads: never in a fit (the ViT was one until its rows entered the fit, seventh session)
-HELD_OUT = ("fashion-mnist:gru", "fashion-mnist:mixer", "fashion-mnist:mlp", "fashion-mnist:mobilenet")
+HELD_OUT = ("fashion-mnist:gru", "fashion-mnist:mixer", "fashion-mnist:mlp", "fashion-mnist:mobilenet",
+            "fashion-mnist:lenet")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default=str(HERE / "data" / "probe_errors.json"))
     p.add_argument("--held-out", action="store_true", help="the out-of-sample workloads, not the fitted rows")
+    p.add_argument("--models", default=None, help="comma-separated workload:model keys to measure (default: all)")
+    p.add_argument("--append", action="store_true", help="keep --out's jobs of other models, world sizes or seeds")
     p.add_argument("--training-base", default=None,
                    help="an entry (fp16): measure while the copy trains on its aggregate, not on a frozen copy")
     p.add_argument("--compare", default=str(HERE / "data" / "probe_errors.json"),
@@ -60,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
             entries = jobs.setdefault((r["model"], r["world_size"]), [])
             if r["entry"] not in entries:
                 entries.append(r["entry"])
+    if args.models is not None:
+        keep = {m.strip() for m in args.models.split(",") if m.strip()}
+        unknown = keep - {model for model, _ in jobs}
+        if unknown:
+            p.error(f"models must be among {', '.join(sorted({m for m, _ in jobs}))}; got {', '.join(sorted(unknown))}")
+        jobs = {k: v for k, v in jobs.items() if k[0] in keep}
     out = []
     for (model_key, world), entries in jobs.items():
         entries = ["allreduce", *entries]
@@ -74,9 +86,19 @@ def main(argv: list[str] | None = None) -> None:
                         "errors": {e: quality.errors[e] for e in entries},
                         "measured_as": {e: quality_proxy(e) for e in entries}})
     commit, machine = provenance(HERE)
-    doc = {"schema": "gradsync-probe-errors/2", "command": "python benchmarks/probe_quality.py " + " ".join(argv or sys.argv[1:]),
+    command = "python benchmarks/probe_quality.py " + " ".join(argv or sys.argv[1:])
+    doc = {"schema": "gradsync-probe-errors/2", "command": command,
            "commit": commit, "machine": machine, "quality_steps": QUALITY_STEPS,
            "training_base": args.training_base, "jobs": out}
+    if args.append and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if old.get("training_base") != args.training_base:
+            p.error(f"--append: {args.out} was measured with training base {old.get('training_base')!r}, "
+                    f"not {args.training_base!r}")
+        new = {(j["model"], j["world_size"], j["seed"]) for j in out}
+        doc["jobs"] = [j for j in old["jobs"] if (j["model"], j["world_size"], j["seed"]) not in new] + out
+        doc["commands"] = [*old.get("commands", [f"{old['command']} (commit {old['commit']})"]),
+                           f"{command} (commit {commit})"]
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print("wrote", args.out)
     if args.training_base is not None and Path(args.compare).exists():
