@@ -217,6 +217,19 @@ def _lightning_auto(out: Path, rank: int, fit, result: dict) -> None:
     except ValueError as exc:
         result["auto_mismatch_error"] = str(exc)
     dist.barrier()
+    # online=True: decided on the fit's own steps; the decision and the winner's state go into the checkpoint
+    online = GradsyncHook("auto", online=True)
+    ckpt = ModelCheckpoint(dirpath=str(out / "online_ckpt"), save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    result["online"] = fit([online, ckpt], 2, checkpoint=True)
+    result["online_stats"] = online.stats()
+    resumed = GradsyncHook("auto", online=True)
+    result["online_resumed"] = fit([resumed], 2, ckpt_path=str(out / "online_ckpt" / "epoch=0.ckpt"))
+    result["online_resumed_stats"] = resumed.stats()
+    try:
+        fit([GradsyncHook("auto", online=True)], 2, ckpt_path=str(out / "auto_ckpt" / "epoch=0.ckpt"))
+    except ValueError as exc:
+        result["online_foreign_error"] = str(exc)
+    dist.barrier()
 
 
 def _accelerate_auto(out: Path, rank: int, run, save_at: int, result: dict) -> None:
@@ -540,6 +553,21 @@ def test_lightning_auto_chooses_alike_trains_as_its_choice_and_resumes_without_m
     check_auto_resume(out, "lightning", ranks, entry, "epoch=0.ckpt")
 
 
+def test_lightning_online_auto_resumes_its_decision(lightning_runs):
+    """GradsyncHook("auto", online=True): with the fit's 12 steps as its job the budget pays for no race, so every
+    rank settles on its lossless base after the start step; the epoch-0 checkpoint holds that decision and the resumed
+    fit keeps it and repeats the uninterrupted fit's epoch 2. A checkpoint of the start-up probe's "auto" is
+    refused on both ranks."""
+    _, ranks = lightning_runs
+    choice = ranks[0]["online_stats"]["auto_choice"]
+    assert choice in ("allreduce", "fp16", "bf16")
+    for r in ranks:
+        assert r["online_stats"]["auto_choice"] == r["online_resumed_stats"]["auto_choice"] == choice
+        assert r["online_resumed"] == pytest.approx(r["online"][STEPS_PER_EPOCH:], abs=1e-6, rel=0)
+        assert r["online_stats"]["iteration"] == r["online_resumed_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
+        assert "resumes only from its own checkpoints" in r["online_foreign_error"]
+
+
 def test_accelerate_auto_chooses_alike_and_resumes_without_measuring(accelerate_runs):
     out, ranks = accelerate_runs
     entry = check_auto_run(out, "accelerate", ranks, lambda r: r["auto"]["losses"], WARMUP + 4 * K)
@@ -552,7 +580,7 @@ def test_accelerate_auto_chooses_alike_and_resumes_without_measuring(accelerate_
 
 def test_accelerate_online_auto_resumes_its_decision_or_measures_again(accelerate_runs):
     """register_hook(model, "auto", ..., online=True). With the loop's 18 steps as ``job_steps`` its budget pays
-    for no measurement, so every rank settles on its base at the first step; HookCheckpoint saves that decision
+    for no race, so every rank settles on its lossless base after the start step; HookCheckpoint saves that decision
     with the hook's state and the resumed run (registered the same way, then accelerator.load_state) keeps it and
     repeats the uninterrupted run's steps. Without ``job_steps`` the probe is still measuring at the save (no
     choice): the resumed run starts measuring again from the saved step, alike on both ranks."""

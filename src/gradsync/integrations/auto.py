@@ -224,6 +224,26 @@ def choose_auto_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                        job_steps=job_steps)
 
 
+def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],
+                           loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any,
+                           bucket_cap_mb: float, process_group: dist.ProcessGroup | None = None,
+                           workload: str = "integration", job_steps: int | None = None) -> Any:
+    """Collective: :func:`~gradsync.profiler.online.plan_online` (the online probe's start-up measurements) on a
+    framework's own batches, ``module`` measured as a :class:`BatchLoss` as :func:`choose_auto_on_batches` does;
+    copies of ``optimizer``'s class with its defaults train the copies.
+
+    Raises:
+        ValueError: for empty ``batches`` (and as :func:`~gradsync.profiler.online.plan_online`).
+    """
+    from ..profiler.auto import optimizer_factory
+    from ..profiler.online import plan_online
+
+    if not batches:
+        raise ValueError("algorithm 'auto' needs at least one training batch of this rank to measure on")
+    return plan_online(BatchLoss(module, loss), BatchLoss.batches(batches), _output_loss, optimizer_factory(optimizer),
+                       workload, batch_size_of(batches[0]), bucket_cap_mb, group=process_group, job_steps=job_steps)
+
+
 def recorded_auto_entry(payload: Any) -> tuple[str | None, str | None]:
     """``(entry, problem)`` of a hook-state payload a resumed ``algorithm="auto"`` run read: ``(None,
     None)`` for no payload (``None`` or ``{}``: nothing recorded), ``(entry, None)`` for an auto
@@ -288,5 +308,5 @@ def announce_auto(choice: AutoChoice) -> None:
 
 
 __all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
-           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "preserved_rng",
-           "recorded_auto_entry", "to_device"]
+           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "plan_online_on_batches",
+           "preserved_rng", "recorded_auto_entry", "to_device"]

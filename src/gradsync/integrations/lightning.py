@@ -33,6 +33,10 @@ first optimizer) and registers the chosen hook (``hook.auto``: the
 :class:`~gradsync.profiler.auto.AutoDecision`); rank 0 prints the choice and what measuring cost. The
 choice goes into the checkpoint with the hook state; ``trainer.fit(ckpt_path=...)`` takes it without
 measuring (every rank raises ``ValueError`` if the ranks' checkpoints recorded different choices).
+``GradsyncHook("auto", online=True)`` decides on the fit's own first steps instead
+(:mod:`gradsync.profiler.online`): ``on_train_start`` takes only the start-up measurements and registers the
+online hook (``hook.state``, ``hook.state.choice`` once settled); the checkpoint keeps the decision with the
+winner's state, and a resumed fit restores it (a checkpoint written before the decision: measures again).
 
 Each ``trainer.fit`` builds a fresh hook state (Lightning wraps the model in a new DDP per fit), unless
 it resumes from a checkpoint; what a state hooked onto the module (COVAP's timing forward hook) is

@@ -20,7 +20,11 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, known_steps, preserved_rng, recorded_auto_entry)
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, plan_online_on_batches, preserved_rng,
+    recorded_auto_entry)
+
+#: The checkpoint payload's algorithm of ``GradsyncHook("auto", online=True)`` (its state's own config name).
+ONLINE = "auto-online"
 
 
 class GradsyncHook(Callback):
@@ -32,6 +36,11 @@ class GradsyncHook(Callback):
             the job and register the hook chosen (see the module docstring: ``on_train_start`` runs
             ``training_step`` on copies of the module on this rank's first 8 training batches; the
             choice is kept in the checkpoint, and a resumed fit takes it without measuring).
+            ``GradsyncHook("auto", online=True)``: decide on the fit's own first steps instead
+            (:mod:`gradsync.profiler.online`; ``state`` is the
+            :class:`~gradsync.profiler.online.OnlineAutoState`, ``state.choice`` once it has settled); the
+            checkpoint keeps the decision with the winner's state, and a resumed fit restores it (or, from a
+            checkpoint written before the decision, measures again from the saved step).
         process_group: group of the hook's collectives (``None`` = the default group Lightning set up).
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
             ``"auto"``: calibrated by the hook from its own first iterations, then adapted),
@@ -48,7 +57,7 @@ class GradsyncHook(Callback):
             (``None`` where nothing was measured: a fixed algorithm, or a resumed choice).
 
     Raises:
-        ValueError: (at construction) for options given with ``"auto"``; (in ``setup``) for an unknown
+        ValueError: (at construction) for options given with ``"auto"`` (but ``online``); (in ``setup``) for an unknown
             algorithm or options out of range; (in ``load_state_dict``/``on_fit_start``) for a
             checkpoint of another algorithm or world size; if ``DDPStrategy(ddp_comm_hook=...)`` is also
             given; with ``"auto"`` (in ``on_train_start``, on every rank) for manual optimization, no
@@ -59,6 +68,7 @@ class GradsyncHook(Callback):
     """
 
     def __init__(self, algorithm: str = "covap", process_group: Any = None, **options: Any):
+        self.online = bool(options.pop("online", False)) if algorithm == AUTO else False
         if algorithm == AUTO:
             check_auto_options(options)
         self.algorithm = algorithm
@@ -140,6 +150,9 @@ class GradsyncHook(Callback):
     def _choose(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """``"auto"``: every rank takes the choice its checkpoint recorded, or measures (a collective),
         then registers the chosen hook on the DDP model."""
+        if self.online:
+            self._register_online(trainer, pl_module)
+            return
         recorded, problem = recorded_auto_entry(self._pending)
         entry = agree_auto_entry(recorded, problem)
         if entry is not None:
@@ -160,12 +173,38 @@ class GradsyncHook(Callback):
         self._ddp.register_comm_hook(self.state, self._hook)
         self._registered = True
 
+    def _register_online(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """``online=True``: the start-up measurements (a collective), the online hook registered on the DDP
+        model, then a restored decision loaded into it. Every rank reads the same checkpoint file, so a payload
+        of anything but an online decision is refused alike on every rank."""
+        from ..profiler.online import OnlineAutoState, online_auto_hook
+
+        pending, self._pending = self._pending, None
+        if pending and pending.get("algorithm") != ONLINE:
+            raise ValueError(f"GradsyncHook('auto', online=True) resumes only from its own checkpoints; this one holds "
+                             f"gradsync hook state of algorithm {pending.get('algorithm')!r}")
+        if not trainer.optimizers:
+            raise ValueError("GradsyncHook('auto') needs the optimizer configure_optimizers returns; there is none")
+        with preserved_rng(trainer.strategy.root_device), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
+            plan = plan_online_on_batches(
+                pl_module, _first_batches(trainer), _training_step_loss, trainer.optimizers[0],
+                self._ddp.bucket_bytes_cap / 2 ** 20, process_group=self.process_group, workload="lightning",
+                job_steps=known_steps(trainer.estimated_stepping_batches))
+        self.state, self._hook = OnlineAutoState(plan, pl_module, process_group=self.process_group), online_auto_hook
+        self._ddp.register_comm_hook(self.state, self._hook)
+        self._registered = True
+        if pending:
+            load_hook_state(ONLINE, self.state, pending, device=trainer.strategy.root_device)
+
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every rank's hook state, gathered on rank 0 (a collective: called on all ranks by
         ``trainer.save_checkpoint``, as Lightning requires); ``{}`` before a hook is registered."""
         if self.state is None or not self._registered:
             return {}
+        if self.online:
+            return gather_hook_state(ONLINE, self.state)
         return gather_hook_state(self.algorithm, self.state, auto_entry=entry_of(self.auto))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
