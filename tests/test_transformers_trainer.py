@@ -158,6 +158,18 @@ def _auto(out: Path, rank: int, train, result: dict) -> None:
     except ValueError as exc:
         result["auto_mismatch_error"] = str(exc)
     dist.barrier()
+    # online=True: decided on the run's own steps; the decision and the winner's state go into checkpoint-N
+    online = GradsyncCallback("auto", online=True)
+    result["online"] = train("online", online, save=True)
+    result["online_stats"] = online.stats()
+    resumed = GradsyncCallback("auto", online=True)
+    result["online_resumed"] = train("online", resumed, resume=str(out / "online" / f"checkpoint-{SAVE_AT}"))
+    result["online_resumed_stats"] = resumed.stats()
+    try:
+        train("auto", GradsyncCallback("auto", online=True), resume=str(out / "auto" / f"checkpoint-{SAVE_AT}"))
+    except ValueError as exc:
+        result["online_foreign_error"] = str(exc)
+    dist.barrier()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,6 +256,20 @@ def test_trainer_auto_chooses_alike_and_resumes_without_measuring(trainer_runs):
         assert r["auto_resumed"] == pytest.approx(r["auto"][SAVE_AT:], abs=1e-6, rel=0)
         assert r["auto_resumed_stats"]["iteration"] == STEPS
     check_auto_resume(out, "trainer", ranks, entry, f"checkpoint-{SAVE_AT}/gradsync_hook_state.pt")
+
+
+def test_trainer_online_auto_resumes_its_decision(trainer_runs):
+    """GradsyncCallback("auto", online=True): every rank settles alike (here on its lossless base: the run's steps
+    as its job leave no budget for a race); checkpoint-N holds the decision and the resumed run keeps it and
+    repeats the uninterrupted run's losses. A checkpoint of the start-up probe's "auto" is refused."""
+    _, ranks = trainer_runs
+    choice = ranks[0]["online_stats"]["auto_choice"]
+    assert choice in ("allreduce", "fp16", "bf16")
+    for r in ranks:
+        assert r["online_stats"]["auto_choice"] == r["online_resumed_stats"]["auto_choice"] == choice
+        assert r["online_resumed"] == pytest.approx(r["online"][SAVE_AT:], abs=1e-6, rel=0)
+        assert r["online_stats"]["iteration"] == r["online_resumed_stats"]["iteration"] == STEPS
+        assert "resumes only from its own checkpoints" in r["online_foreign_error"]
 
 
 def test_callback_refuses_dear_and_warns_in_one_process():

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from . import AUTO, PAYLOAD_FORMAT, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
-from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of,
+from .auto import (ONLINE, AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of,
                    recorded_auto_entry)
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
@@ -251,7 +251,7 @@ class HookCheckpoint:
                              f"returned with algorithm 'auto' only (no choice for an online state); got algorithm "
                              f"{algorithm!r}, auto={auto!r}")
         self.state = state
-        self.algorithm = state.config()["algorithm"] if online else algorithm
+        self.algorithm = ONLINE if online else algorithm
         self.device = device
         self.auto = auto
 

@@ -224,6 +224,11 @@ def choose_auto_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                        job_steps=job_steps)
 
 
+#: The checkpoint payload's algorithm of ``"auto"`` decided online (the
+#: :class:`~gradsync.profiler.online.OnlineAutoState`'s own ``config()["algorithm"]``).
+ONLINE = "auto-online"
+
+
 def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                            loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any,
                            bucket_cap_mb: float, process_group: dist.ProcessGroup | None = None,
@@ -307,6 +312,6 @@ def announce_auto(choice: AutoChoice) -> None:
         sys.stdout.flush()
 
 
-__all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
+__all__ = ["AutoChoice", "BatchLoss", "ONLINE", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
            "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "plan_online_on_batches",
            "preserved_rng", "recorded_auto_entry", "to_device"]

@@ -20,11 +20,8 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, known_steps, plan_online_on_batches, preserved_rng,
+    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, plan_online_on_batches, preserved_rng,
     recorded_auto_entry)
-
-#: The checkpoint payload's algorithm of ``GradsyncHook("auto", online=True)`` (its state's own config name).
-ONLINE = "auto-online"
 
 
 class GradsyncHook(Callback):

@@ -41,6 +41,10 @@ hook is registered as above (``sync.auto``: the :class:`~gradsync.integrations.a
 ``sync.decision``: the measured :class:`~gradsync.profiler.auto.AutoDecision`); rank 0 prints the choice
 and what measuring cost. The choice is written with the hook state to ``checkpoint-N/``; a resumed run
 takes it without measuring (every rank raises ``ValueError`` if the ranks read different choices).
+``GradsyncCallback("auto", online=True)`` decides on the run's own first steps instead
+(:mod:`gradsync.profiler.online`): ``on_train_begin`` takes only the start-up measurements, the online hook is
+registered as above (``sync.state.choice`` once settled), and ``checkpoint-N/`` keeps the decision with the
+winner's state for a resumed run (a checkpoint written before the decision: it measures again).
 
 Gradient accumulation: the ``Trainer`` runs the non-final micro-batches under ``no_sync``; DDP calls
 no hook there, so the hook (and its ``iteration`` counter) runs once per optimizer step.

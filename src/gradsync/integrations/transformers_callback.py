@@ -18,7 +18,8 @@ from ..extras import require
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, known_steps, preserved_rng, recorded_auto_entry, to_device)
+    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, plan_online_on_batches, preserved_rng,
+    recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
 from transformers import TrainerCallback  # noqa: E402
@@ -42,7 +43,11 @@ class GradsyncCallback(TrainerCallback):
             ``gradsync.algorithms.REGISTRY``). DeAR (``dear``, ``dear-covap``) replaces DDP and is refused.
             ``"auto"``: measure on the job in ``on_train_begin`` and register the hook chosen (see
             :mod:`gradsync.integrations.transformers`); the choice is kept in ``checkpoint-N/`` and a
-            resumed run takes it without measuring.
+            resumed run takes it without measuring. ``GradsyncCallback("auto", online=True)``: decide on
+            the run's own first steps instead (:mod:`gradsync.profiler.online`; ``state`` is the
+            :class:`~gradsync.profiler.online.OnlineAutoState`, ``state.choice`` once settled); the decision
+            is kept with the winner's state and a resumed run restores it (or measures again from a
+            checkpoint written before it).
         process_group: group of the hook's collectives (``None`` = the default group the ``Trainer``
             set up).
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
@@ -61,7 +66,7 @@ class GradsyncCallback(TrainerCallback):
 
     Raises:
         ValueError: (at construction) for an unknown or DeAR algorithm, or options given with
-            ``"auto"``; (in ``on_train_begin``) for options out of range, an FSDP/DeepSpeed run, or a
+            ``"auto"`` (but ``online``); with ``online=True``, for a checkpoint that is no online decision; (in ``on_train_begin``) for options out of range, an FSDP/DeepSpeed run, or a
             resumed run whose hook state only some ranks found; with ``"auto"`` (every rank) for a
             checkpoint of a fixed algorithm, ranks whose checkpoints recorded different choices, no
             optimizer or training batch, or batches the model returns no loss for; (at the first step
@@ -72,6 +77,7 @@ class GradsyncCallback(TrainerCallback):
     """
 
     def __init__(self, algorithm: str = "covap", process_group: Any = None, **options: Any):
+        self.online = bool(options.pop("online", False)) if algorithm == AUTO else False
         if algorithm == AUTO:
             check_auto_options(options)
         else:
@@ -126,6 +132,9 @@ class GradsyncCallback(TrainerCallback):
         (a collective) on its first training batches; then builds the chosen hook's state."""
         self._read_from = None
         pending = self._read_checkpoint(args, state.global_step, world) if state.global_step > 0 else None
+        if self.online:
+            self._plan_online(args, state, optimizer, train_dataloader, pending)
+            return
         recorded, problem = recorded_auto_entry(pending)
         entry = agree_auto_entry(recorded, problem)
         if entry is not None:
@@ -144,6 +153,31 @@ class GradsyncCallback(TrainerCallback):
         announce_auto(self.auto)
         self.state, self._hook = build_auto(self.auto, process_group=self.process_group, model=self._model)
 
+    def _plan_online(self, args, state, optimizer: Any, train_dataloader: Any, pending: dict[str, Any] | None) -> None:
+        """``online=True``: the start-up measurements (a collective) and the online hook's state, registered at
+        the wrapper's first forward like any other; a restored decision is loaded then. Only a checkpoint of an
+        online decision is taken (every rank read the same step's payload)."""
+        from ..profiler.online import OnlineAutoState, online_auto_hook
+
+        if pending is not None and pending.get("algorithm") != ONLINE:
+            raise ValueError(f"GradsyncCallback('auto', online=True) resumes only from its own checkpoints; "
+                             f"{self._read_from} holds gradsync hook state of algorithm {pending.get('algorithm')!r}")
+        if optimizer is None:
+            raise ValueError("GradsyncCallback('auto') needs the Trainer's optimizer (on_train_begin's optimizer=)")
+        bucket_cap_mb = args.ddp_bucket_cap_mb if args.ddp_bucket_cap_mb is not None else 25.0  # DDP's default
+        device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
+        self._model.train()
+        with preserved_rng(device):
+            plan = plan_online_on_batches(self._model, _first_batches(train_dataloader, device), _model_loss, optimizer,
+                                          bucket_cap_mb, process_group=self.process_group, workload="transformers",
+                                          job_steps=known_steps(state.max_steps))
+        self.state = OnlineAutoState(plan, self._model, process_group=self.process_group)
+        self._hook, self._pending = online_auto_hook, pending
+
+    @property
+    def _payload_algorithm(self) -> str:
+        return ONLINE if self.online else self.algorithm
+
     def _on_forward(self, module: torch.nn.Module, inputs: Any) -> None:
         if not isinstance(module, DistributedDataParallel) or _unwrap(module.module) is not self._model:
             return
@@ -153,7 +187,8 @@ class GradsyncCallback(TrainerCallback):
         self._ddp = module
         if self._pending is not None:
             payload, self._pending = self._pending, None
-            load_hook_state(self.algorithm, self.state, payload, device=self._device, auto_entry=entry_of(self.auto))
+            load_hook_state(self._payload_algorithm, self.state, payload, device=self._device,
+                            auto_entry=entry_of(self.auto))
 
     def on_step_end(self, args, state, control, **kwargs):
         """After the first optimizer step: fail if no DDP forward registered the hook."""
@@ -181,7 +216,7 @@ class GradsyncCallback(TrainerCallback):
         on all ranks) and write it to ``output_dir/checkpoint-N/`` beside the ``Trainer``'s files."""
         if self.state is None or self._ddp is None:
             return
-        payload = gather_hook_state(self.algorithm, self.state, auto_entry=entry_of(self.auto))
+        payload = gather_hook_state(self._payload_algorithm, self.state, auto_entry=entry_of(self.auto))
         if payload["ranks"] is not None:
             folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             os.makedirs(folder, exist_ok=True)
