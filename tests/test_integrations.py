@@ -74,6 +74,8 @@ def _iteration_and_residuals(state) -> dict:
     out = {"iteration": state.stats()["iteration"]}
     if hasattr(state, "filter"):
         out["residuals"] = _residual_sums(state)
+    if hasattr(state, "phase"):  # online auto: where it stands, and the step it measures from
+        out.update(phase=state.phase, choice=state.choice, start=state.start)
     return out
 
 
@@ -264,9 +266,10 @@ def _accelerate_auto(out: Path, rank: int, run, save_at: int, result: dict) -> N
     result["online"] = run({}, "auto", save_at=save_at, folder="acc_online_ckpt", online=True, job_steps=steps)
     result["online_resumed"] = run({}, "auto", start=save_at, load_from=str(out / "acc_online_ckpt"), online=True,
                                    job_steps=steps)
-    # without job_steps nothing limits the probe, which is still measuring at the save: the resume measures again
-    result["online_open"] = run({}, "auto", save_at=save_at, folder="acc_online_open", online=True)
-    result["online_open_resumed"] = run({}, "auto", start=save_at, load_from=str(out / "acc_online_open"), online=True)
+    # without job_steps nothing limits the probe: saved after 4 optimizer steps, before any decision can be taken
+    # (a start step, then 8 metered steps), unless there was nothing to measure; a resume then measures again
+    result["online_open"] = run({}, "auto", save_at=8, folder="acc_online_open", online=True)
+    result["online_open_resumed"] = run({}, "auto", start=8, load_from=str(out / "acc_online_open"), online=True)
     try:
         run({}, "auto", online=True, resume=str(out / "acc_online_ckpt"))
     except ValueError as exc:
@@ -582,14 +585,22 @@ def test_accelerate_online_auto_resumes_its_decision_or_measures_again(accelerat
     """register_hook(model, "auto", ..., online=True). With the loop's 18 steps as ``job_steps`` its budget pays
     for no race, so every rank settles on its lossless base after the start step; HookCheckpoint saves that decision
     with the hook's state and the resumed run (registered the same way, then accelerator.load_state) keeps it and
-    repeats the uninterrupted run's steps. Without ``job_steps`` the probe is still measuring at the save (no
-    choice): the resumed run starts measuring again from the saved step, alike on both ranks."""
+    repeats the uninterrupted run's steps. Without ``job_steps``, saved after 4 optimizer steps: the probe is still
+    measuring there (no choice saved) and the resumed run measures again from the saved step, or, where the
+    start-up measurements left nothing to measure (the loopback's CCR under load), it had settled on its base and
+    the resume keeps that; alike on both ranks either way."""
     _, ranks = accelerate_runs
     choice = ranks[0]["online"]["stats"]["auto_choice"]
     assert choice in ("allreduce", "fp16", "bf16")
+    saved_choice = ranks[0]["online_open"]["saved"]["choice"]
     for r in ranks:
-        assert r["online_open"]["saved"]["iteration"] == r["online_open_resumed"]["restored"]["iteration"] == 14
-        assert r["online_open"]["stats"]["auto_choice"] is None is r["online_open_resumed"]["stats"]["auto_choice"]
+        saved, restored = r["online_open"]["saved"], r["online_open_resumed"]["restored"]
+        assert saved["iteration"] == restored["iteration"] == 4 and saved["choice"] == saved_choice
+        if saved["phase"] == "settled":
+            assert restored["phase"] == "settled" and restored["choice"] == saved_choice
+        else:
+            assert saved_choice is None and restored["start"] == 4
+        assert r["online_open_resumed"]["stats"]["auto_choice"] == ranks[0]["online_open_resumed"]["stats"]["auto_choice"]
         assert r["online_open_resumed"]["stats"]["iteration"] == WARMUP + 4 * K
         assert "takes no resume=" in r["online_resume_error"]
         online, resumed = r["online"], r["online_resumed"]
