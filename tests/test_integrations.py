@@ -561,13 +561,20 @@ def test_lightning_online_auto_resumes_its_decision(lightning_runs):
     rank settles on its lossless base after the start step; the epoch-0 checkpoint holds that decision and the resumed
     fit keeps it and repeats the uninterrupted fit's epoch 2. A checkpoint of the start-up probe's "auto" is
     refused on both ranks."""
-    _, ranks = lightning_runs
+    check_online_resume(lightning_runs[1], STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)
+
+
+def check_online_resume(ranks: list[dict], saved_at: int, steps: int) -> None:
+    """A framework's ``"auto", online=True`` runs (``online``: saved after ``saved_at`` of ``steps`` steps;
+    ``online_resumed``: resumed there; ``online_foreign_error``: a resume from the start-up probe's checkpoint):
+    every rank settled on the same lossless base, kept it on resume, repeated the losses and refused the foreign
+    checkpoint."""
     choice = ranks[0]["online_stats"]["auto_choice"]
     assert choice in ("allreduce", "fp16", "bf16")
     for r in ranks:
         assert r["online_stats"]["auto_choice"] == r["online_resumed_stats"]["auto_choice"] == choice
-        assert r["online_resumed"] == pytest.approx(r["online"][STEPS_PER_EPOCH:], abs=1e-6, rel=0)
-        assert r["online_stats"]["iteration"] == r["online_resumed_stats"]["iteration"] == 2 * STEPS_PER_EPOCH
+        assert r["online_resumed"] == pytest.approx(r["online"][saved_at:], abs=1e-6, rel=0)
+        assert r["online_stats"]["iteration"] == r["online_resumed_stats"]["iteration"] == steps
         assert "resumes only from its own checkpoints" in r["online_foreign_error"]
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from distributed import end_job
 from test_integrations import (VOTE, K, WARMUP, _auto_record, _launch, _recorded_differently, check_auto_resume,
-                               check_auto_run)
+                               check_auto_run, check_online_resume)
 
 STEPS = WARMUP + 2 * K          # 10 optimizer steps, 8 of them compressed
 SAVE_AT = WARMUP + K            # checkpoint-6: residuals are non-zero there
@@ -262,14 +262,7 @@ def test_trainer_online_auto_resumes_its_decision(trainer_runs):
     """GradsyncCallback("auto", online=True): every rank settles alike (here on its lossless base: the run's steps
     as its job leave no budget for a race); checkpoint-N holds the decision and the resumed run keeps it and
     repeats the uninterrupted run's losses. A checkpoint of the start-up probe's "auto" is refused."""
-    _, ranks = trainer_runs
-    choice = ranks[0]["online_stats"]["auto_choice"]
-    assert choice in ("allreduce", "fp16", "bf16")
-    for r in ranks:
-        assert r["online_stats"]["auto_choice"] == r["online_resumed_stats"]["auto_choice"] == choice
-        assert r["online_resumed"] == pytest.approx(r["online"][SAVE_AT:], abs=1e-6, rel=0)
-        assert r["online_stats"]["iteration"] == r["online_resumed_stats"]["iteration"] == STEPS
-        assert "resumes only from its own checkpoints" in r["online_foreign_error"]
+    check_online_resume(trainer_runs[1], SAVE_AT, STEPS)
 
 
 def test_callback_refuses_dear_and_warns_in_one_process():
