@@ -167,8 +167,9 @@ def _script(rank, world):
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.005)
     opt = _optimizer(ddp.parameters())
     state, decision = gradsync.register_auto(ddp, opt, batches, F.cross_entropy, online=True)
-    # at most 3 metered stages (bisection over 5 ranks), then at most TIMED_STEPS rounds of 4 entries
-    for i in range(START_STEPS + 3 * QUALITY_STEPS + 4 * TIMED_STEPS):
+    # at most 3 metered stages (bisection over 5 ranks), then at most TIMED_STEPS rounds of 4 entries, and one more
+    # step: the race's last verdict is taken at the first bucket after its last round
+    for i in range(START_STEPS + 3 * QUALITY_STEPS + 4 * TIMED_STEPS + 1):
         x, y = batches[i % len(batches)]
         opt.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
