@@ -16,8 +16,10 @@ from test_probe import _job, _optimizer  # the same 2-rank MLP job and SGD
 from gradsync.profiler.probe import QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS
 
 R1, R4 = "powersgd-overlap:matrix_approximation_rank=1", "powersgd-overlap:matrix_approximation_rank=4"
-#: the test's step times by entry, in units of DDP's simulated iteration: PowerSGD r=4 the fastest
-STEP_S = {"allreduce": 1.0, "fp16": 0.6, R1: 0.45, R4: 0.3}
+T4 = "powersgd:matrix_approximation_rank=4"  # torch's, raced on the job's buckets joined into one
+#: the test's step times by entry, in units of DDP's simulated iteration: PowerSGD r=4 the fastest (torch's
+#: the fastest of all where it is raced)
+STEP_S = {"allreduce": 1.0, "fp16": 0.6, R1: 0.45, R4: 0.3, T4: 0.2}
 
 
 class _StepClock:
@@ -38,6 +40,7 @@ def _plan(model, batches, **changes):
     plan = plan_online(model, batches, F.cross_entropy, _optimizer, "mlp", 16, 0.005)
     # a slow network, so compression pays: the plan's CCR as a 2 Mbit/s link would give it (on loopback the plan
     # may measure nothing: its casts' errors are measured here)
+    changes = {"joined": (), **changes}
     return dataclasses.replace(plan, bandwidth_mbit=2.0, base="fp16", metered=(R1, R4),
                                errors=cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"]), **changes)
 
@@ -143,6 +146,28 @@ def test_online_auto_meters_on_the_job_then_races_and_every_rank_chooses_alike()
     assert abs(r0["excess"] - sum(s - STEP_S[R4] * r0["unit"] for _, s in r0["timed"])) < 1e-9 and r0["excess"] > 0
     assert r0["resumed"][:3] == ("settled", R4, R4)
     assert r0["early"] == ("start", None, "fp16", 5), "a checkpoint before the decision measures again from it"
+
+
+def _joined(rank, world):
+    from gradsync.profiler.online import OnlineAutoState
+
+    model, batches = _job(rank)
+    plan = _plan(model, batches, joined=(T4,))
+    clock = _StepClock(next(r.iteration_s for r in plan.advice().predictions if r.entry == "allreduce"))
+    state = OnlineAutoState(plan, model, clock=clock)
+    ran = _Job(state, model, batches).train(START_STEPS + 2 * QUALITY_STEPS + 4 * TIMED_STEPS + 4, clock)
+    return state.stages, state.medians, state.choice, ran, [float(p.sum()) for p in model.parameters()]
+
+
+def test_online_auto_races_torchs_powersgd_on_the_jobs_buckets_joined_into_one():
+    """A DDP of several buckets (0.005 MB) cannot run torch's PowerSGD bucket by bucket on Gloo; the online
+    probe races it on the buckets joined into one, with its overlapped twin's measured error (never metered
+    itself), and chooses it where its steps are the fastest; every rank alike."""
+    (stages, medians, choice, ran, params), other = run_ranks(_joined, 2, timeout=240)
+    assert (stages, medians, choice, ran, params) == other
+    assert all(T4 not in stage for stage in stages)
+    assert T4 in medians and R4 in medians, medians
+    assert choice == T4 and ran[-1] == T4 and ran.count(T4) > RACE_MIN_STEPS
 
 
 def _no_budget(rank, world):

@@ -19,8 +19,9 @@ the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
    ranks are searched by bisection (:meth:`OnlineAutoState._next_stage`);
 3. **race**: the all-reduced errors go through the quality model (:data:`~gradsync.profiler.quality_model.FITTED_TRAINING`, fitted on errors
    measured on a copy that trains) and the simulator (:func:`~gradsync.profiler.advise.advise`); the
-   short-list then trains the job in rounds (one step of each; a metered candidate keeps the state it
-   trained with), each step timed as the period between its first bucket and the next step's (a
+   short-list (torch's PowerSGD among it, on the job's buckets joined into one:
+   :func:`~gradsync.algorithms.joined.joined_hook`; its error is its overlapped twin's) then trains the job in
+   rounds (one step of each; a metered candidate keeps the state it trained with), each step timed as the period between its first bucket and the next step's (a
    device-synchronising clock: the whole iteration as the job runs it); after
    :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds
    the medians (MAX over ranks) eliminate (:func:`~gradsync.profiler.probe.race`) until one is left, the
@@ -50,10 +51,11 @@ import torch
 import torch.distributed as dist
 
 from ..algorithms.base import HookState, compression_ratio
+from ..algorithms.joined import joined_hook
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
 from ..comm.collectives import collective_device, max_over_ranks
 from ..sim.profile import Profile
-from .advise import CASTS, LOW_CCR, advise, is_hook
+from .advise import CASTS, LOW_CCR, advise, candidates, is_hook, single_bucket
 from .compute import device_clock
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
                     cast_errors, quality_proxy, race)
@@ -84,6 +86,10 @@ class OnlinePlan:
         setup_seconds: what :func:`plan_online` took (seconds, MAX over ranks).
         phases: its cost by step (seconds: ``profile``, ``ccr``).
         shortlist: candidates raced besides DDP.
+        joined: the single-bucket hooks (torch's PowerSGD) raced on the job's buckets joined into one
+            (:func:`~gradsync.algorithms.joined.joined_hook`), never metered: their error and computation per
+            step are read off their :func:`~gradsync.profiler.probe.quality_proxy`'s, as the start-up probe
+            reads them.
     """
 
     prof: Profile
@@ -97,6 +103,7 @@ class OnlinePlan:
     setup_seconds: float = 0.0
     phases: dict = field(default_factory=dict)
     shortlist: int = 3
+    joined: tuple = ()
 
     def advice(self, errors: Optional[dict] = None, noise: Optional[float] = None,
                iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True,
@@ -116,8 +123,9 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     :func:`~gradsync.profiler.auto.measure_start`) and the 16-bit casts' errors
     (:func:`~gradsync.profiler.probe.cast_errors`). Each lossy hook's own computation per step is timed
     later, while it is metered on the job (not in a group of the rank alone, as the start-up probe does).
-    Only entries that work on any DDP bucket layout (``is_hook(e, any_buckets=True)``) and ``allowed`` are
-    candidates: the job's own DDP runs them.
+    Only ``allowed`` communication hooks are candidates: the job's own DDP runs them. Those that work on
+    any DDP bucket layout (``is_hook(e, any_buckets=True)``) are metered; a single-bucket one (torch's
+    PowerSGD) is raced on the buckets joined into one where its quality proxy is metered (:attr:`OnlinePlan.joined`).
 
     ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
     :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
@@ -153,7 +161,10 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
         e == "allreduce" or e in CASTS)).choice.entry  # DDP unless a cast is predicted MIN_GAIN x faster
     base = lossless if lossless == "allreduce" else (_untimed_cast(errors, hookable) or "allreduce")
     setup = max_over_ranks([time.perf_counter() - t0], group)[0]  # the ranks' clocks differ
-    return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist)
+    joined = tuple(e for e, _, _ in candidates() if allowed(e) and is_hook(e) and single_bucket(e)
+                   and quality_proxy(e) in metered)
+    return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist,
+                      joined)
 
 
 def _rank(entry: str) -> Optional[int]:
@@ -250,9 +261,10 @@ class OnlineAutoState(HookState):
     def _build(self, entry: str) -> tuple:
         """A new ``(state, hook)`` of ``entry`` on the job's model, compressing from its first step once DDP
         has rebuilt its buckets; its counters add up in :meth:`stats`."""
-        pair = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
+        state, hook = _hook_pair(entry, self.model, None, self.process_group, self.seed, 1, 0)
         if self.iteration > 0:
-            pair[0].skip_start()
+            state.skip_start()
+        pair = (state, joined_hook(hook) if single_bucket(entry) else hook)
         self.spent.append(pair)
         return pair
 
@@ -358,8 +370,9 @@ class OnlineAutoState(HookState):
         on the base."""
         from .auto import DDP_CONTENDER, _short_list
 
-        ranked = self.plan.advice(self.errors, self.noise, overheads=self.overheads).predictions
-        short = _short_list(ranked, self.plan.shortlist, self.errors)
+        errors = self._with_joined(self.errors)
+        ranked = self.plan.advice(errors, self.noise, overheads=self._with_joined(self.overheads)).predictions
+        short = _short_list(ranked, self.plan.shortlist, errors)
         ddp = next(r for r in ranked if r.entry == "allreduce")
         if short and ddp.time_to_quality_s <= DDP_CONTENDER * min(r.time_to_quality_s for r in ranked
                                                                   if r.entry in short):
@@ -407,10 +420,16 @@ class OnlineAutoState(HookState):
             self._rounds += 1
         self.current = self._round.pop(0)
 
+    def _with_joined(self, measured: dict) -> dict:
+        """``measured`` (``{entry: value}`` of metered entries) with each of :attr:`OnlinePlan.joined` given its
+        quality proxy's value."""
+        return {**measured, **{e: measured[quality_proxy(e)] for e in self.plan.joined if quality_proxy(e) in measured}}
+
     def _decide(self) -> None:
         timed = dict(self.medians)
-        advice = self.plan.advice(self.errors, self.noise, iterations=timed,
-                                  allowed=lambda e: e in timed or e == "allreduce", overheads=self.overheads)
+        advice = self.plan.advice(self._with_joined(self.errors), self.noise, iterations=timed,
+                                  allowed=lambda e: e in timed or e == "allreduce",
+                                  overheads=self._with_joined(self.overheads))
         self._settle(advice.choice.entry, advice.reason)
 
     def _settle(self, entry: str, reason: str) -> None:

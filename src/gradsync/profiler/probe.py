@@ -42,9 +42,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm.agreement import replicas_agree
-from ..comm.buckets import gradient_offsets
 from ..comm.collectives import max_over_ranks
 from ..validation import check_int
+from ..algorithms.joined import JoinedBucket
 from ..algorithms.meter import (LOCAL_GRADIENT, REFERENCE_FRACTION, ProxyBucket, QualityMeter,  # noqa: F401
                                 metered_hook, relative_errors)
 from .advise import single_bucket
@@ -532,20 +532,6 @@ def cast_errors(model: nn.Module, batch: Batch, loss_fn: Callable, casts: Sequen
 COMPRESSION_REPEATS = 1
 
 
-class _JoinedBucket(ProxyBucket):
-    """``buckets`` (copies of one backward's buckets, :class:`ProxyBucket`) as the one bucket DDP gives an
-    entry gradsync runs on one bucket (:func:`~gradsync.profiler.advise.single_bucket`): their buffers
-    concatenated, index 0, last."""
-
-    def __init__(self, buckets: Sequence[ProxyBucket]):  # noqa: D107  (no super(): nothing to copy from)
-        self._buffer = torch.cat([b.buffer() for b in buckets])
-        self._index, self._last, self._grads, at = 0, True, [], 0
-        for b in buckets:
-            self._grads += [self._buffer[at + o:at + o + g.numel()].view(g.shape) for o, g in gradient_offsets(b)]
-            at += b.buffer().numel()
-        self._params = [p for b in buckets for p in b.parameters()]
-
-
 def compression_seconds(model: nn.Module, batch: Batch, loss_fn: Callable,
                         make_optimizer: Callable[[Any], torch.optim.Optimizer], entries: Sequence[str],
                         bucket_cap_mb: float, *, process_group: Any = None, seed: int = 0,
@@ -583,7 +569,7 @@ def compression_seconds(model: nn.Module, batch: Batch, loss_fn: Callable,
         for _ in range(2):  # DDP's first backward fills one bucket; its buckets are rebuilt after it
             captured.clear()
             loss_fn(ddp(batch[0]), batch[1]).backward()
-        joined = [_JoinedBucket(captured)]
+        joined = [JoinedBucket(captured)]
         clock = device_clock(local)
         seconds = []
         for entry in entries:
