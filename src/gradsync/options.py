@@ -24,6 +24,9 @@ from typing import Any, Iterable, Mapping
 from .validation import check_choice, check_float, check_int
 
 AUTO = "auto"
+#: The algorithm name a checkpoint gives ``"auto"`` decided on the job's own steps
+#: (:class:`~gradsync.profiler.online.OnlineAutoState`).
+AUTO_ONLINE = "auto-online"
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, low: float | None = None,

@@ -246,7 +246,11 @@ class HookCheckpoint:
         from ..profiler.online import OnlineAutoState
 
         online = isinstance(state, OnlineAutoState)
-        if (algorithm == AUTO) != (auto is not None or online) or (online and auto is not None):
+        if online:  # the decision is the state's own: algorithm "auto", no choice
+            wrong = algorithm != AUTO or auto is not None
+        else:  # a choice exactly with algorithm "auto"
+            wrong = (algorithm == AUTO) != (auto is not None)
+        if wrong:
             raise ValueError("HookCheckpoint(state, 'auto', device, auto=choice) takes the AutoChoice register_hook "
                              f"returned with algorithm 'auto' only (no choice for an online state); got algorithm "
                              f"{algorithm!r}, auto={auto!r}")

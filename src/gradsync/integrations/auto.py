@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..options import AUTO
+from ..options import AUTO, AUTO_ONLINE
 from . import PAYLOAD_FORMAT, _world, build_state_and_hook
 
 @dataclasses.dataclass(frozen=True)
@@ -226,7 +226,7 @@ def choose_auto_on_batches(module: torch.nn.Module, batches: Sequence[Any],
 
 #: The checkpoint payload's algorithm of ``"auto"`` decided online (the
 #: :class:`~gradsync.profiler.online.OnlineAutoState`'s own ``config()["algorithm"]``).
-ONLINE = "auto-online"
+ONLINE = AUTO_ONLINE
 
 
 def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],

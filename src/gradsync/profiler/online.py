@@ -54,6 +54,7 @@ from ..algorithms.base import HookState, compression_ratio
 from ..algorithms.joined import joined_hook
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
 from ..comm.collectives import collective_device, max_over_ranks
+from ..options import AUTO_ONLINE
 from ..sim.profile import Profile
 from .advise import CASTS, LOW_CCR, advise, candidates, is_hook, single_bucket
 from .compute import device_clock
@@ -471,7 +472,7 @@ class OnlineAutoState(HookState):
                 "auto_stages": self.stages, "auto_compression_s": self.overheads, "auto_decided_at": self.iteration}
 
     def config(self) -> dict[str, Any]:
-        return {"algorithm": "auto-online", "base": self.plan.base, "metered": list(self.plan.metered)}
+        return {"algorithm": AUTO_ONLINE, "base": self.plan.base, "metered": list(self.plan.metered)}
 
     def state_dict(self) -> dict[str, Any]:
         settled = self.phase == "settled"
