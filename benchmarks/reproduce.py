@@ -184,6 +184,11 @@ TAIL_ENTRIES = ("allreduce,fp16,powersgd:matrix_approximation_rank=4,powersgd:ma
                 "powersgd:matrix_approximation_rank=4:dense_from=800,auto")
 
 
+#: The online probe's out-of-sample grid (besides DDP, fp16 and auto).
+ONLINE_GRID = "powersgd:matrix_approximation_rank=4," + ",".join(
+    f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8))
+
+
 def _fmnist_grid(entries: str, validate: str) -> Run:
     """The 5-seed fashion-mnist sweep on 2 hosts at 5, 15 and 40 Mbit/s, with full shaped runs of
     ``validate`` (seed 0) at 5 and 15 Mbit/s checking its prediction."""
@@ -322,23 +327,16 @@ EXPERIMENTS = [
              ",".join(f"{n}:matrix_approximation_rank={r}" for n in ("powersgd", "powersgd-overlap") for r in (1, 2, 4, 8)),
              "2", ())
             for name, where, hosts, every in (("oos-mlp", "", "2", "52"), ("oos-mlp-4hosts", " on 4 hosts", "4", "26"))),
-          # one epoch: its step is 16x the MLP's (a 55 ms forward and backward pass of batch 64 on one thread)
-          *((name, "a MobileNetV2-style CNN with SGD", "mobilenet", "15,50", where, hosts, every,
-             "powersgd:matrix_approximation_rank=4," + ",".join(
-                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1",
-             ("--auto-probe", "online"))  # auto decided on the job's own steps since the thirteenth session
-            for name, where, hosts, every in (("oos-mobilenet", "", "2", "26"),
-                                              ("oos-mobilenet-4hosts", " on 4 hosts", "4", "13"))),
-          # the online probe's out-of-sample family (added after it was frozen at 1cef260); the MobileNet's grid
-          *((name, "a LeNet-5-style CNN with SGD", "lenet", "30,150", where, hosts, every,
-             "powersgd:matrix_approximation_rank=4," + ",".join(
-                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1", ("--auto-probe", "online"))
-            for name, where, hosts, every in (("oos-lenet", "", "2", "26"), ("oos-lenet-4hosts", " on 4 hosts", "4", "13"))),
-          # the GRU again under the online probe: 1 epoch (the sixth-session rows above trained 2), the same grid
-          *((name, "the GRU with SGD under the online probe", "gru", "15,80", where, hosts, every,
-             "powersgd:matrix_approximation_rank=4," + ",".join(
-                 f"powersgd-overlap:matrix_approximation_rank={r}" for r in (2, 4, 8)), "1", ("--auto-probe", "online"))
-            for name, where, hosts, every in (("online-gru", "", "2", "26"), ("online-gru-4hosts", " on 4 hosts", "4", "13"))))),
+          # auto decided on the job's own steps (--auto-probe online), 1 epoch, one grid: torch's PowerSGD r=4 and
+          # the overlapped r=2/4/8. The MobileNet since the thirteenth session (its step is 16x the MLP's: a 55 ms
+          # forward and backward pass of batch 64 on one thread); the LeNet, the online probe's out-of-sample
+          # family (added after it was frozen at 1cef260); the GRU again (the sixth-session rows above trained 2)
+          *((prefix + suffix, family, model, links, where, hosts, every, ONLINE_GRID, "1", ("--auto-probe", "online"))
+            for prefix, family, model, links in (
+                ("oos-mobilenet", "a MobileNetV2-style CNN with SGD", "mobilenet", "15,50"),
+                ("oos-lenet", "a LeNet-5-style CNN with SGD", "lenet", "30,150"),
+                ("online-gru", "the GRU with SGD under the online probe", "gru", "15,80"))
+            for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",
