@@ -249,6 +249,30 @@ def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                        workload, batch_size_of(batches[0]), bucket_cap_mb, group=process_group, job_steps=job_steps)
 
 
+def online_auto_state(module: torch.nn.Module, batches: Sequence[Any],
+                      loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any, bucket_cap_mb: float,
+                      pending: dict[str, Any] | None, owner: str, process_group: dist.ProcessGroup | None = None,
+                      workload: str = "integration", job_steps: int | None = None) -> Any:
+    """Collective: a framework's ``"auto"`` with ``online=True``: :func:`plan_online_on_batches` (torch's random
+    generators as before) and the :class:`~gradsync.profiler.online.OnlineAutoState` that decides on the job's
+    own steps, for the hook to register; ``pending`` (the payload the run resumes from, or None) must be an
+    online decision's. Every rank reads the same checkpoint, so every rank refuses alike.
+
+    Raises:
+        ValueError: for a ``pending`` payload of another algorithm (``owner`` names the caller, e.g.
+            ``"GradsyncHook('auto', online=True)"``), and as :func:`plan_online_on_batches`.
+    """
+    from ..profiler.online import OnlineAutoState
+
+    if pending is not None and pending.get("algorithm") != ONLINE:
+        raise ValueError(f"{owner} resumes only from its own checkpoints; this one holds gradsync hook state of "
+                         f"algorithm {pending.get('algorithm')!r}")
+    with preserved_rng(next((p.device for p in module.parameters()), None)):
+        plan = plan_online_on_batches(module, batches, loss, optimizer, bucket_cap_mb, process_group=process_group,
+                                      workload=workload, job_steps=job_steps)
+    return OnlineAutoState(plan, module, process_group=process_group)
+
+
 def recorded_auto_entry(payload: Any) -> tuple[str | None, str | None]:
     """``(entry, problem)`` of a hook-state payload a resumed ``algorithm="auto"`` run read: ``(None,
     None)`` for no payload (``None`` or ``{}``: nothing recorded), ``(entry, None)`` for an auto
@@ -313,5 +337,5 @@ def announce_auto(choice: AutoChoice) -> None:
 
 
 __all__ = ["AutoChoice", "BatchLoss", "ONLINE", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
-           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "plan_online_on_batches",
+           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "online_auto_state", "plan_online_on_batches",
            "preserved_rng", "recorded_auto_entry", "to_device"]

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, plan_online_on_batches, preserved_rng,
+    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
     recorded_auto_entry)
 
 
@@ -174,21 +174,19 @@ class GradsyncHook(Callback):
         """``online=True``: the start-up measurements (a collective), the online hook registered on the DDP
         model, then a restored decision loaded into it. Every rank reads the same checkpoint file, so a payload
         of anything but an online decision is refused alike on every rank."""
-        from ..profiler.online import OnlineAutoState, online_auto_hook
+        from ..profiler.online import online_auto_hook
 
         pending, self._pending = self._pending, None
-        if pending and pending.get("algorithm") != ONLINE:
-            raise ValueError(f"GradsyncHook('auto', online=True) resumes only from its own checkpoints; this one holds "
-                             f"gradsync hook state of algorithm {pending.get('algorithm')!r}")
         if not trainer.optimizers:
             raise ValueError("GradsyncHook('auto') needs the optimizer configure_optimizers returns; there is none")
-        with preserved_rng(trainer.strategy.root_device), warnings.catch_warnings():
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
-            plan = plan_online_on_batches(
+            self.state = online_auto_state(
                 pl_module, _first_batches(trainer), _training_step_loss, trainer.optimizers[0],
-                self._ddp.bucket_bytes_cap / 2 ** 20, process_group=self.process_group, workload="lightning",
+                self._ddp.bucket_bytes_cap / 2 ** 20, pending or None, "GradsyncHook('auto', online=True)",
+                process_group=self.process_group, workload="lightning",
                 job_steps=known_steps(trainer.estimated_stepping_batches))
-        self.state, self._hook = OnlineAutoState(plan, pl_module, process_group=self.process_group), online_auto_hook
+        self._hook = online_auto_hook
         self._ddp.register_comm_hook(self.state, self._hook)
         self._registered = True
         if pending:

@@ -18,7 +18,7 @@ from ..extras import require
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, plan_online_on_batches, preserved_rng,
+    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
     recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
@@ -157,21 +157,17 @@ class GradsyncCallback(TrainerCallback):
         """``online=True``: the start-up measurements (a collective) and the online hook's state, registered at
         the wrapper's first forward like any other; a restored decision is loaded then. Only a checkpoint of an
         online decision is taken (every rank read the same step's payload)."""
-        from ..profiler.online import OnlineAutoState, online_auto_hook
+        from ..profiler.online import online_auto_hook
 
-        if pending is not None and pending.get("algorithm") != ONLINE:
-            raise ValueError(f"GradsyncCallback('auto', online=True) resumes only from its own checkpoints; "
-                             f"{self._read_from} holds gradsync hook state of algorithm {pending.get('algorithm')!r}")
         if optimizer is None:
             raise ValueError("GradsyncCallback('auto') needs the Trainer's optimizer (on_train_begin's optimizer=)")
         bucket_cap_mb = args.ddp_bucket_cap_mb if args.ddp_bucket_cap_mb is not None else 25.0  # DDP's default
         device = next((p.device for p in self._model.parameters()), torch.device("cpu"))
         self._model.train()
-        with preserved_rng(device):
-            plan = plan_online_on_batches(self._model, _first_batches(train_dataloader, device), _model_loss, optimizer,
-                                          bucket_cap_mb, process_group=self.process_group, workload="transformers",
-                                          job_steps=known_steps(state.max_steps))
-        self.state = OnlineAutoState(plan, self._model, process_group=self.process_group)
+        self.state = online_auto_state(self._model, _first_batches(train_dataloader, device), _model_loss, optimizer,
+                                       bucket_cap_mb, pending, f"GradsyncCallback('auto', online=True) ({self._read_from})",
+                                       process_group=self.process_group, workload="transformers",
+                                       job_steps=known_steps(state.max_steps))
         self._hook, self._pending = online_auto_hook, pending
 
     @property
