@@ -199,8 +199,9 @@ def check_one_bucket(state: HookState, name: str) -> None:
         f"{name}: DDP has several gradient buckets on a {dist.get_backend(state.process_group)} group, where torch's "
         "PowerSGD hook mismatches its collectives across ranks (it launches them from future callbacks); give DDP "
         "one bucket (DistributedDataParallel(model, bucket_cap_mb=...) at least the model's gradient size in MB, "
-        "as gradsync train does for powersgd) or use algorithm 'powersgd-overlap', gradsync's PowerSGD that "
-        "works on every bucket")
+        "as gradsync train does for powersgd), register gradsync.algorithms.joined.joined_hook(hook) (the buckets "
+        "joined into one at the last, the same result) or use algorithm 'powersgd-overlap', gradsync's PowerSGD "
+        "that works on every bucket")
 
 
 def dense_tail(state: HookState, bucket: dist.GradBucket,
