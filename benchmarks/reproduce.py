@@ -336,7 +336,12 @@ EXPERIMENTS = [
                 ("oos-mobilenet", "a MobileNetV2-style CNN with SGD", "mobilenet", "15,50"),
                 ("oos-lenet", "a LeNet-5-style CNN with SGD", "lenet", "30,150"),
                 ("online-gru", "the GRU with SGD under the online probe", "gru", "15,80"))
-            for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))))),
+            for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))),
+          # the out-of-sample family of the online probe with torch's PowerSGD raced on joined buckets (frozen at
+          # 073ad38); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
+          *((name, "a temporal convolutional network (TCN) with SGD", "tcn", "5,25", where, hosts, "26", ONLINE_GRID,
+             epochs, ("--auto-probe", "online"))
+            for name, where, hosts, epochs in (("oos-tcn", "", "2", "1"), ("oos-tcn-4hosts", " on 4 hosts", "4", "2"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",

@@ -132,8 +132,10 @@ def test_workload_with_model_and_defaults():
             and mobilenet.describe()["parameters"] == 161_418)
     lenet = get_workload("fashion-mnist", "lenet")
     assert lenet.optimizer == "sgd" and lenet.defaults == base.defaults and lenet.describe()["parameters"] == 281_034
+    tcn = get_workload("fashion-mnist", "tcn")
+    assert tcn.optimizer == "sgd" and tcn.defaults == base.defaults and tcn.describe()["parameters"] == 69_706
     for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
-              lenet.make_model()):
+              lenet.make_model(), tcn.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
@@ -143,11 +145,24 @@ def test_workload_with_model_and_defaults():
 
     with pytest.raises(ValueError, match="widths and hidden must be >= 1"):
         LeNet(hidden=0)
+    from gradsync.workloads.tcn import RowTCN
+
+    with pytest.raises(ValueError, match="kernel >= 2"):
+        RowTCN(kernel=1)
+    causal = RowTCN()  # the last time step sees every row; no step sees a later row
+    x = torch.randn(1, 1, 28, 28, requires_grad=True)
+    causal.blocks(x.flatten(1, 2).transpose(1, 2))[0, :, 10].sum().backward()
+    seen = x.grad[0, 0].abs().sum(1)
+    assert bool((seen[:11] > 0).all()) and bool((seen[11:] == 0).all())
+    causal.zero_grad()
+    x.grad = None
+    causal(x).sum().backward()
+    assert bool((x.grad[0, 0].abs().sum(1) > 0).all())
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, mobilenet, lenet, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, lenet, tcn, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

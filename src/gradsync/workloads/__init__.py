@@ -35,6 +35,7 @@ from .mixer import TinyMixer
 from .mlp import MLP
 from .mobilenet import TinyMobileNet
 from .lenet import LeNet
+from .tcn import RowTCN
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -301,11 +302,14 @@ def _vision_choices() -> tuple[str, ...]:
 # MobileNetV2-style depthwise-separable CNN of 161k parameters (gradsync.workloads.mobilenet), the recipe's SGD:
 # added after the ninth session's probe changes were frozen, their out-of-sample family. A LeNet-5-style CNN of
 # 281k parameters (gradsync.workloads.lenet), the recipe's SGD: added after the online probe was frozen
-# (thirteenth session, 1cef260), its out-of-sample family.
+# (thirteenth session, 1cef260), its out-of-sample family. A temporal convolutional network of 70k parameters over
+# the image rows (gradsync.workloads.tcn), the recipe's SGD: added after the online probe's joined torch PowerSGD
+# was frozen (fifteenth session, 073ad38), its out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
                                                       "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
-                                                      "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet()}
+                                                      "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet(),
+                                                      "tcn": lambda: RowTCN()}
 
 
 _KJV_VOCAB_SIZE = 73
