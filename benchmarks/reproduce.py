@@ -339,7 +339,7 @@ EXPERIMENTS = [
             for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))),
           # the out-of-sample family of the online probe with torch's PowerSGD raced on joined buckets (frozen at
           # 073ad38); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
-          *((name, "a temporal convolutional network (TCN) with SGD", "tcn", "5,25", where, hosts, "26", ONLINE_GRID,
+          *((name, "a temporal convolutional network (TCN) with SGD", "tcn", "8,60", where, hosts, "26", ONLINE_GRID,
              epochs, ("--auto-probe", "online"))
             for name, where, hosts, epochs in (("oos-tcn", "", "2", "1"), ("oos-tcn-4hosts", " on 4 hosts", "4", "2"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
