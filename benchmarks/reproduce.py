@@ -330,12 +330,15 @@ EXPERIMENTS = [
           # auto decided on the job's own steps (--auto-probe online), 1 epoch, one grid: torch's PowerSGD r=4 and
           # the overlapped r=2/4/8. The MobileNet since the thirteenth session (its step is 16x the MLP's: a 55 ms
           # forward and backward pass of batch 64 on one thread); the LeNet, the online probe's out-of-sample
-          # family (added after it was frozen at 1cef260); the GRU again (the sixth-session rows above trained 2)
+          # family (added after it was frozen at 1cef260); the GRU again (the sixth-session rows above trained 2); the
+          # ResNet-8, in sample (the grids' workload), at the links of its earlier sweeps
           *((prefix + suffix, family, model, links, where, hosts, every, ONLINE_GRID, "1", ("--auto-probe", "online"))
             for prefix, family, model, links in (
                 ("oos-mobilenet", "a MobileNetV2-style CNN with SGD", "mobilenet", "15,50"),
                 ("oos-lenet", "a LeNet-5-style CNN with SGD", "lenet", "30,150"),
-                ("online-gru", "the GRU with SGD under the online probe", "gru", "15,80"))
+                ("online-gru", "the GRU with SGD under the online probe", "gru", "15,80"),
+                ("online-resnet8", "the ResNet-8 (the quality model's own workload) under the online probe", "resnet8",
+                 "5,40"))
             for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))),
           # the out-of-sample family of the online probe with torch's PowerSGD raced on joined buckets (frozen at
           # 073ad38); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
