@@ -123,6 +123,9 @@ def test_bench_to_quality_runs_every_seed_and_prints_the_summary(tmp_path):
     assert decided["probe_seconds"] == pytest.approx(decided["setup_seconds"]) and decided["setup_seconds"] > 0
     assert len(auto["iteration_samples_s"]) == 2 and "auto (online): allreduce" in proc.stdout
     assert [[p[2] for p in c] for c in q["cheap_curves"]["auto"]] == [[p[2] for p in c] for c in q["cheap_curves"]["allreduce"]]
+    # each seed's auto ran as the job it is (a fresh online decision on its own steps), its start-up counted
+    assert [d["auto_choice"] for d in q["auto_decisions"]] == ["allreduce", "allreduce"]
+    assert all(c[0][1] > d["auto_setup_seconds"] > 0 for c, d in zip(q["cheap_curves"]["auto"], q["auto_decisions"]))
     finals = q["entries"]["allreduce"]["final_by_seed"]
     assert q["target"] == pytest.approx(sum(finals) / 2 - 0.005)
     assert q["curves"]["allreduce"][0] != q["curves"]["allreduce"][1], "seeds train different models"

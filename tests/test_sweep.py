@@ -173,6 +173,47 @@ def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_run
         run_sweep(["allreduce"], SEEDS, 2, [5.0], tmp_path, {}, fake_bench, validate_at=([5.0, 10.0], ["allreduce"], [0]))
 
 
+def test_online_auto_is_trained_as_a_job_on_every_network_and_its_measured_seconds_stand(tmp_path):
+    """``--auto-probe online``: auto's time is not its choice's steps x its iteration but a shaped to-quality run
+    of ``auto`` alone per network, each seed a job that decided on its own steps (its seconds as measured)."""
+    calls = []
+    # the jobs' own curves: measured seconds (start-up included), a choice per seed
+    job = [[[10, 3.0, 0.5], [20, 6.5, 0.95 if s != 2 else 0.6], [30, 9.0, 0.95], [40, 12.0, 0.95]] for s in SEEDS]
+
+    def fake_bench(argv):
+        calls.append(argv)
+        out = argv[argv.index("--out") + 1]
+        entries = argv[argv.index("--algorithms") + 1]
+        if "--to-quality" in argv:
+            target = float(argv[argv.index("--quality-target") + 1]) if "--quality-target" in argv else None
+            result = _quality_bench(entries, {"allreduce": DENSE, "fast": FAST, "auto": job}[entries], target)
+            if entries == "auto":
+                result["quality"]["auto_decisions"] = [{"auto_choice": "fast" if s != 2 else "fp16"} for s in SEEDS]
+        else:
+            result = {**_timing({e: 0.2 for e in entries.split(",")}),
+                      "chosen_from_ccr": {"auto": {"entry": "fast", "probe_seconds": 1.0}}}
+        from pathlib import Path
+
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "bench.json").write_text(json.dumps(result))
+        return 0
+
+    values = {"epochs": 2, "eval_every": 26, "auto_probe": "online"}
+    result = run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)
+    jobs = [c for c in calls if "--to-quality" in c and c[c.index("--algorithms") + 1] == "auto"]
+    assert [c[c.index("--bandwidth") + 1] for c in jobs] == ["5", "40"]
+    assert all(c[c.index("--auto-probe") + 1] == "online" and "--quality-target" in c for c in jobs)
+    auto = result["networks"]["5"]["entries"]["auto"]
+    assert auto["seconds_by_seed"] == pytest.approx([6.5, 6.5, 9.0, 6.5, 6.5]), "the jobs' own seconds"
+    assert result["networks"]["5"]["auto_choices"] == ["fast", "fast", "fp16", "fast", "fast"]
+    assert result["networks"]["5"]["auto_choice"] == "fast"
+    fast = result["networks"]["5"]["entries"]["fast"]["seconds_by_seed"]
+    assert fast == pytest.approx([4.0, 4.0, 4.0, 6.0, 4.0]), "fixed entries: steps x iteration"
+    n = len(calls)
+    run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)
+    assert len(calls) == n, "the jobs are reused like any sub-run"
+
+
 def test_a_timing_run_on_loopback_is_refused(tmp_path):
     def loopback(argv):
         folder = argv[argv.index("--out") + 1]

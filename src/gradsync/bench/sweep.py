@@ -128,13 +128,16 @@ def iteration_seconds(timing: dict[str, Any]) -> dict[str, float]:
     return {r["algorithm"]: r["iteration_s"]["mean"] for r in timing["rows"]}
 
 
-def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
+def predict(quality: dict[str, Any], timing: dict[str, Any], auto_job: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Predicted time to quality on ``timing``'s network.
 
     Args:
         quality: :func:`merge_quality` of the loopback runs (or one bench's ``"quality"`` section).
         timing: a ``gradsync bench`` result on the network (``rows`` with mean ``iteration_s``); it
             must time every entry of ``quality`` with the same world size.
+        auto_job: the ``"quality"`` section of a ``--to-quality`` run of ``auto`` alone on this network
+            (``--auto-probe online``: every seed a job that decided on its own steps): its measured curves
+            (training seconds from the job's start-up on) stand for ``auto`` in place of a prediction.
 
     Returns:
         :func:`~gradsync.bench.quality.summarise_quality` of the curves with every point's seconds
@@ -152,7 +155,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
     chose, if that has a dense tail), plus the seconds auto spent measuring on that network
     (``probe_seconds``); ``"auto_choice"`` names
     the entry (None without an auto row; an ``auto`` whose choice was not swept is left out, named in
-    ``"auto_not_swept"``).
+    ``"auto_not_swept"``). With ``auto_job`` its own measured curves are ``auto``'s instead, ``"auto_choices"``
+    names each seed's choice and ``"auto_choice"`` the most frequent of them.
 
     Raises:
         ValueError: if ``timing`` lacks an entry of ``quality`` (or the tail timing of one with a dense
@@ -160,9 +164,14 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
     """
     it = iteration_seconds(timing)
     auto_choice = timing.get("chosen_from_ccr", {}).get("auto", {}).get("entry") if "auto" in it else None
-    if auto_choice is not None and auto_choice in quality["curves"] and "auto" not in quality["curves"]:
+    choices = [d and d.get("auto_choice") for d in (auto_job or {}).get("auto_decisions", [])]
+    if auto_job is not None:
+        quality = {**quality, "curves": {**quality["curves"], "auto": auto_job["curves"]["auto"]}}
+        auto_choice = max(choices, key=choices.count) if choices else None
+    elif auto_choice is not None and auto_choice in quality["curves"] and "auto" not in quality["curves"]:
         quality = {**quality, "curves": {**quality["curves"], "auto": quality["curves"][auto_choice]}}
-    chosen = {name: auto_choice if name == "auto" and auto_choice else name for name in quality["curves"]}
+    chosen = {name: auto_choice if name == "auto" and auto_choice and auto_job is None else name
+              for name in quality["curves"]}
     missing = sorted(set(timed_entries(list(chosen.values()))) - set(it))
     if missing:
         raise ValueError(f"timing must time every entry of the sweep; missing: {', '.join(missing)}")
@@ -176,7 +185,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
         tail_s = it[tail_timing_entry(chosen[name])] if dense_tail(chosen[name]) else None
         return dense_tail_seconds(chosen[name], steps, it[name], tail_s) + (probe_s if name == "auto" else 0.0)
 
-    curves = {name: [[[p[0], seconds(name, p[0]), p[2]] for p in c] for c in per_seed]
+    curves = {name: [[[p[0], p[1] if name == "auto" and auto_job is not None else seconds(name, p[0]), p[2]]
+                      for p in c] for c in per_seed]
               for name, per_seed in quality["curves"].items()}
     out = summarise_quality(curves, quality["seeds"], quality["higher_is_better"], quality["target"])
     out["target_from"] = quality["target_from"]
@@ -187,6 +197,8 @@ def predict(quality: dict[str, Any], timing: dict[str, Any]) -> dict[str, Any]:
                network=timing.get("network"),
                dense_ccr=timing.get("dense_ccr"), auto_choice=auto_choice,
                auto_not_swept=auto_choice if auto_choice is not None and "auto" not in curves else None)
+    if auto_job is not None:
+        out.update(auto_choices=choices, auto_decisions=auto_job.get("auto_decisions"))
     return out
 
 
@@ -302,7 +314,9 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         entries: ``--algorithms`` entries; ``allreduce`` must be one unless ``quality_target`` is given.
             ``auto`` is timed on every network and predicted with the steps of the entry it chose
             there (which must be among ``entries``), not trained on loopback (where it would choose
-            for loopback).
+            for loopback); with ``values["auto_probe"] == "online"`` it is trained as a job on every
+            network instead (a shaped ``--to-quality`` run of ``auto`` alone, every seed deciding on its own
+            steps, in ``auto-<hosts>x<rate>mbit/``), and its measured seconds stand.
         seeds: seeds of the to-quality runs (>= 5 for olympic means).
         hosts: ranks (emulated hosts, one rank each), >= 2.
         bandwidths: the networks' link rates, Mbit/s.
@@ -359,7 +373,13 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         if "NOT shaped" in str(timing.get("network", "")):
             raise RuntimeError("the timing runs need an emulated cluster (root: network namespaces and tc); "
                                f"bench ran on loopback instead: {timing.get('network')}")
-        networks[f"{rate:g}"] = predict(merged, timing)
+        auto_job = None
+        if "auto" in entries and values.get("auto_probe") == "online":  # auto trained as the job it is
+            argv = ["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", "auto", "--to-quality",
+                    *seed_flag, *short, *model, *qual, *_flags(values, TIMING_FLAGS),
+                    "--quality-target", repr(merged["target"])]
+            auto_job = run_or_reuse(out / f"auto-{hosts}x{rate:g}mbit", argv, run)["quality"]
+        networks[f"{rate:g}"] = predict(merged, timing, auto_job)
     validation = []
     if validate_at is not None:
         rates, v_entries, v_seeds = validate_at

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import json
 import math
 import statistics
@@ -110,12 +111,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
         return workload.make_optimizer(params, lr=cfg.lr, momentum=workload.recipe.momentum,
                                        weight_decay=workload.recipe.weight_decay)
 
-    def make(name: str, model: torch.nn.Module | None = None, seed: int | None = None) -> Synchroniser:
+    def make(name: str, model: torch.nn.Module | None = None, seed: int | None = None,
+             job: bool = False) -> Synchroniser:
         """A fresh copy of ``model`` (default: this run's start model) under ``--algorithms`` entry
-        ``name``, calibrated with this run's CCR."""
+        ``name``, calibrated with this run's CCR. With ``job`` (a to-quality run) ``auto`` under
+        ``--auto-probe online`` decides on that run's own steps (a fresh
+        :class:`~gradsync.profiler.online.OnlineAutoState` of this run's plan); otherwise it is the entry
+        chosen in the timing rounds."""
         ctx = BuildContext(model=copy.deepcopy(model0 if model is None else model), make_optimizer=make_optimizer,
                            bucket_cap_mb=cfg.bucket_cap_mb, seed=cfg.seed if seed is None else seed,
                            batch_size=cfg.batch_size)
+        if name == AUTO and job and online is not None:
+            return HookSynchroniser(AUTO, ctx, OnlineAutoState(online, ctx.model, seed=ctx.seed), online_auto_hook)
         entry = chosen[AUTO]["entry"] if name == AUTO else name
         dp = build(parse_entry(entry)[0], ctx, cfg.algorithm_options(entry))
         if dp.needs_ccr:
@@ -208,8 +215,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
 
     accuracy = (_time_to_accuracy(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn)
                 if cfg.to_accuracy else {})
-    quality = (_time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss_fn)
-               if cfg.to_quality else None)
+    quality = (_time_to_quality(cfg, workload, functools.partial(make, job=True), train_x, train_y, test_x, test_y,
+                                loss_fn) if cfg.to_quality else None)
     if rank != 0:
         return None
     compute_s = statistics.median(compute_steps)
@@ -372,7 +379,10 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     ``"budget_steps"``, ``"epochs"``, ``"train_samples"``, ``"warmup_fraction"``, ``"curves"``
     (per entry, per seed the full evaluations ``[[steps, training seconds, quality], ...]``),
     ``"cheap_curves"`` (the cheap evaluation at every evaluation step, same layout) and
-    ``"cheap_samples"`` (None when the test set is small enough to evaluate in full every time).
+    ``"cheap_samples"`` (None when the test set is small enough to evaluate in full every time) and, where
+    ``auto`` decided on its own steps (``--auto-probe online``), ``"auto_decisions"`` (per seed its
+    :meth:`~gradsync.profiler.online.OnlineAutoState.summary`; its training seconds start at the plan's
+    start-up seconds, which such a job pays before its first step).
     """
     from ..train.loop import one_cycle
     from .quality import GATE_SAMPLES, default_target, lazy_curve, summarise_quality
@@ -402,6 +412,7 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     cheap: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
     pending: list[tuple[str, int, list[dict[str, torch.Tensor]], float]] = []
     dense_finals: list[float] = []
+    decisions: list[Any] = [None] * len(seeds)  # an online auto job's decision, per seed
 
     def resolve(name: str, k: int, snapshots: list[dict[str, torch.Tensor]], final: float) -> None:
         with torch.random.fork_rng():
@@ -418,7 +429,9 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
         k = seeds.index(seed)
         sched = one_cycle(dp.optimizer, cfg.lr, total, workload.recipe.warmup_fraction)
         torch.manual_seed(seed * 1000 + rank)  # the same augmentation for every entry of the seed
-        elapsed, points, snapshots = 0.0, [], []
+        online = dp.state if isinstance(getattr(dp, "state", None), OnlineAutoState) else None
+        # an online auto job pays its start-up measurements (the plan's, once per job) before its first step
+        elapsed, points, snapshots = (online.plan.setup_seconds if online else 0.0), [], []
         for epoch in range(cfg.epochs):
             shard = torch.randperm(train_x.shape[0], generator=g)[rank::world]
             for i in range(per_epoch):
@@ -440,6 +453,8 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
                         points.append([step, elapsed, quality(dp.module, True)])
                         snapshots.append({n: t.detach().to(cpu, copy=True) for n, t in dp.module.state_dict().items()})
         cheap[name][k] = points
+        if online is not None:
+            decisions[k] = online.summary()
         dp.close()
         if cheap_n is None:
             curves[name][k] = [list(p) for p in points]
@@ -459,7 +474,8 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     summary = summarise_quality(curves, seeds, higher, cfg.quality_target, dense)
     return {**summary, "metric": workload.metric, "budget_steps": total, "epochs": cfg.epochs,
             "train_samples": int(train_x.shape[0]), "warmup_fraction": workload.recipe.warmup_fraction,
-            "curves": curves, "cheap_curves": cheap, "cheap_samples": cheap_n}
+            "curves": curves, "cheap_curves": cheap, "cheap_samples": cheap_n,
+            **({"auto_decisions": decisions} if any(decisions) else {})}
 
 
 def _accuracy_summary(seeds: list[int], runs: list[dict[str, Any]]) -> dict[str, Any]:
