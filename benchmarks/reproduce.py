@@ -134,12 +134,12 @@ def sweep_table(out: Path, runs: list[Run]) -> str:
     for run in runs:
         result = json.loads((out / run.name / "sweep.json").read_text())
         q = result["quality"]
-        from gradsync.bench.sweep import summary_rows
+        from gradsync.bench.sweep import auto_label, summary_rows
 
         target = f"{q['target'] * 100:.2f} %" if q["higher_is_better"] else f"{q['target']:.4f}"
         parts.append(f"Target {target} ({q['target_from']} mean final - 0.5 points), seeds {q['seeds']}.\n")
         for rate, pred in result["networks"].items():
-            rows = [[r["entry"] + (f" (chose {pred['auto_choice']})" if r["entry"] == "auto" else ""),
+            rows = [[auto_label(pred) if r["entry"] == "auto" else r["entry"],
                      f"{r['iteration_ms']:.1f}", "-" if r["median_steps"] is None else f"{r['median_steps']:g}",
                      "not reached" if r["predicted_s"] is None else f"{r['predicted_s']:.1f}",
                      "-" if r["speedup"] is None else f"{r['speedup']:.2f}x", f"{r['reached']}/{len(q['seeds'])}"]

@@ -207,6 +207,9 @@ def test_online_auto_is_trained_as_a_job_on_every_network_and_its_measured_secon
     assert auto["seconds_by_seed"] == pytest.approx([6.5, 6.5, 9.0, 6.5, 6.5]), "the jobs' own seconds"
     assert result["networks"]["5"]["auto_choices"] == ["fast", "fast", "fp16", "fast", "fast"]
     assert result["networks"]["5"]["auto_choice"] == "fast"
+    from gradsync.bench.sweep import auto_label
+
+    assert auto_label(result["networks"]["5"]) == "auto (jobs chose fast on 4 of 5 seeds, fp16 on 1)"
     fast = result["networks"]["5"]["entries"]["fast"]["seconds_by_seed"]
     assert fast == pytest.approx([4.0, 4.0, 4.0, 6.0, 4.0]), "fixed entries: steps x iteration"
     n = len(calls)

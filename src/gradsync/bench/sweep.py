@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 from ..algorithms import dense_tail_seconds, split_dense_tail
 from .quality import OLYMPIC_MIN_SEEDS, default_target, summarise_quality
 
-__all__ = ["TOLERANCE", "merge_quality", "predict", "validate", "slug", "run_or_reuse", "dense_tail",
+__all__ = ["TOLERANCE", "auto_label", "merge_quality", "predict", "validate", "slug", "run_or_reuse", "dense_tail",
            "tail_timing_entry"]
 
 #: Largest relative error of a predicted time to quality that counts as "holds" (10 %).
@@ -200,6 +200,18 @@ def predict(quality: dict[str, Any], timing: dict[str, Any], auto_job: Optional[
     if auto_job is not None:
         out.update(auto_choices=choices, auto_decisions=auto_job.get("auto_decisions"))
     return out
+
+
+def auto_label(pred: dict[str, Any]) -> str:
+    """The ``auto`` row's name in a :func:`predict` table: ``auto (chose E)``; where auto ran as jobs, the
+    choices of its seeds (``auto (jobs chose E on 4 of 5 seeds, F on 1)``)."""
+    choices = pred.get("auto_choices")
+    if not choices:
+        return f"auto (chose {pred['auto_choice']})"
+    counts = {c: choices.count(c) for c in dict.fromkeys(choices)}
+    ranked = sorted(counts, key=lambda c: -counts[c])
+    return (f"auto (jobs chose {ranked[0]} on {counts[ranked[0]]} of {len(choices)} seeds"
+            + "".join(f", {c} on {counts[c]}" for c in ranked[1:]) + ")")
 
 
 def _headline(e: dict[str, Any]) -> Optional[float]:

@@ -47,7 +47,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     from ..bench.report import plot_quality
     from ..cluster.commands import why_unshaped
-    from ..bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TIMING_FLAGS, TOLERANCE, run_sweep, summary_rows
+    from ..bench.sweep import MODEL_FLAGS, QUALITY_FLAGS, TIMING_FLAGS, TOLERANCE, auto_label, run_sweep, summary_rows
     from . import main
 
     try:
@@ -89,7 +89,7 @@ def _sweep(args: argparse.Namespace) -> int:
         for col in ("entry", "iteration ms", "median steps", "predicted s", "vs allreduce", "reached", "final (mean)"):
             table.add_column(col, justify="left" if col == "entry" else "right", overflow="fold")
         for r in summary_rows(pred):
-            name = r["entry"] + (f" (chose {pred['auto_choice']})" if r["entry"] == "auto" else "")
+            name = auto_label(pred) if r["entry"] == "auto" else r["entry"]
             tail = "" if r["tail_iteration_ms"] is None else f" (tail {r['tail_iteration_ms']:.1f})"
             table.add_row(name, f"{r['iteration_ms']:.1f}{tail}",
                           "-" if r["median_steps"] is None else f"{r['median_steps']:g}",
