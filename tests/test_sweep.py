@@ -117,26 +117,34 @@ def test_merge_refuses_mismatched_runs():
         merge_quality([_quality_bench("allreduce", DENSE), _quality_bench("allreduce", DENSE)])
 
 
-def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_runs(tmp_path):
-    calls = []
+def _recording_bench(calls, quality, timing):
+    """Stands in for ``gradsync bench``: records each argv in ``calls`` and writes the result a real run would,
+    ``quality(entries, target, seeds)`` for a ``--to-quality`` run, else ``timing(entries)``."""
+    def bench(argv):
+        from pathlib import Path
 
-    def fake_bench(argv):
-        """Stands in for ``gradsync bench``: writes the recorded result a real run would."""
         calls.append(argv)
-        out = argv[argv.index("--out") + 1]
         entries = argv[argv.index("--algorithms") + 1]
         if "--to-quality" in argv:
             target = float(argv[argv.index("--quality-target") + 1]) if "--quality-target" in argv else None
-            seeds = [int(x) for x in argv[argv.index("--seeds") + 1].split(",")]
-            curves = [c for s, c in zip(SEEDS, DENSE if entries == "allreduce" else FAST) if s in seeds]
-            result = _quality_bench(entries, curves, target, seeds)
+            result = quality(entries, target, [int(x) for x in argv[argv.index("--seeds") + 1].split(",")])
         else:
-            result = _timing({e: 0.1 for e in entries.split(",")})
-        from pathlib import Path
-
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench.json").write_text(json.dumps(result))
+            result = timing(entries)
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(result))
         return 0
+    return bench
+
+
+def test_sweep_runs_dense_first_passes_its_target_on_and_reuses_finished_sub_runs(tmp_path):
+    calls = []
+
+    def quality(entries, target, seeds):
+        curves = [c for s, c in zip(SEEDS, DENSE if entries == "allreduce" else FAST) if s in seeds]
+        return _quality_bench(entries, curves, target, seeds)
+
+    fake_bench = _recording_bench(calls, quality, lambda entries: _timing({e: 0.1 for e in entries.split(",")}))
 
     values = {"epochs": 2, "eval_every": 26}
     run = lambda: run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)  # noqa: E731
@@ -180,23 +188,14 @@ def test_online_auto_is_trained_as_a_job_on_every_network_and_its_measured_secon
     # the jobs' own curves: measured seconds (start-up included), a choice per seed
     job = [[[10, 3.0, 0.5], [20, 6.5, 0.95 if s != 2 else 0.6], [30, 9.0, 0.95], [40, 12.0, 0.95]] for s in SEEDS]
 
-    def fake_bench(argv):
-        calls.append(argv)
-        out = argv[argv.index("--out") + 1]
-        entries = argv[argv.index("--algorithms") + 1]
-        if "--to-quality" in argv:
-            target = float(argv[argv.index("--quality-target") + 1]) if "--quality-target" in argv else None
-            result = _quality_bench(entries, {"allreduce": DENSE, "fast": FAST, "auto": job}[entries], target)
-            if entries == "auto":
-                result["quality"]["auto_decisions"] = [{"auto_choice": "fast" if s != 2 else "fp16"} for s in SEEDS]
-        else:
-            result = {**_timing({e: 0.2 for e in entries.split(",")}),
-                      "chosen_from_ccr": {"auto": {"entry": "fast", "probe_seconds": 1.0}}}
-        from pathlib import Path
+    def quality(entries, target, seeds):
+        result = _quality_bench(entries, {"allreduce": DENSE, "fast": FAST, "auto": job}[entries], target)
+        if entries == "auto":
+            result["quality"]["auto_decisions"] = [{"auto_choice": "fast" if s != 2 else "fp16"} for s in SEEDS]
+        return result
 
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "bench.json").write_text(json.dumps(result))
-        return 0
+    fake_bench = _recording_bench(calls, quality, lambda entries: {
+        **_timing({e: 0.2 for e in entries.split(",")}), "chosen_from_ccr": {"auto": {"entry": "fast", "probe_seconds": 1.0}}})
 
     values = {"epochs": 2, "eval_every": 26, "auto_probe": "online"}
     result = run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)
