@@ -9,23 +9,27 @@ the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
 
 1. **start** (:data:`~gradsync.profiler.probe.START_STEPS` iterations): the job trains on the lossless
    ``base`` (DDP or a 16-bit cast: :func:`~gradsync.profiler.auto._untimed_cast`), DDP rebuilds its buckets;
-2. **meter**, stage by stage (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations each): one candidate
-   trains the job (its aggregate is DDP's, its error feedback its own) under a
-   :class:`~gradsync.algorithms.meter.QualityMeter`: its relative error against a dense all-reduce of
+2. **meter** (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations): every lossy candidate is metered on
+   the same steps under a :class:`~gradsync.algorithms.meter.QualityMeter`, the first (PowerSGD's highest rank,
+   the least error) training the job (its aggregate is DDP's, its error feedback its own), the others on copies
+   of the same buckets: each one's relative error against a dense all-reduce of
    :data:`~gradsync.algorithms.meter.REFERENCE_FRACTION` of each gradient tensor, the gradient noise, and its
    computation per step (GraVAC's compression gain measured on the compressor in use, Tyagi & Sharma 2023,
-   §3.2). The probe's extra cost is the reference's traffic; on a slow network a lossless base would cost
-   more (on 2 hosts at 15 Mbit/s the MobileNetV2's fp16 step was 0.25 s, PowerSGD r=8's 0.13 s). PowerSGD's
-   ranks are searched by bisection (:meth:`OnlineAutoState._next_stage`);
-3. **race**: the all-reduced errors go through the quality model (:data:`~gradsync.profiler.quality_model.FITTED_TRAINING`, fitted on errors
-   measured on a copy that trains) and the simulator (:func:`~gradsync.profiler.advise.advise`); the
-   short-list (torch's PowerSGD among it, on the job's buckets joined into one:
-   :func:`~gradsync.algorithms.joined.joined_hook`; its error is its overlapped twin's) then trains the job in
-   rounds (one step of each; a metered candidate keeps the state it trained with), each step timed as the period between its first bucket and the next step's (a
+   §3.2). One window for all, right after the start, as the quality model's errors were measured
+   (:meth:`OnlineAutoState._meter_stage`): a rank's error halves over the first 50 steps, so ranks metered in
+   successive windows compare a late low rank with an early high one. The probe's extra cost is the
+   reference's and the copies' traffic; on a slow network a lossless base would cost more (on 2 hosts at
+   15 Mbit/s the MobileNetV2's fp16 step was 0.25 s, PowerSGD r=8's 0.13 s);
+3. **race**: the all-reduced errors go through the quality model
+   (:data:`~gradsync.profiler.quality_model.FITTED_TRAINING`, fitted on errors measured on a copy that trains)
+   and the simulator (:func:`~gradsync.profiler.advise.advise`); the short-list (torch's PowerSGD among it, on
+   the job's buckets joined into one: :func:`~gradsync.algorithms.joined.joined_hook`; its error is its
+   overlapped twin's) then trains the job in rounds (one step of each; a metered candidate keeps the state it
+   trained with), each step timed as the period between its first bucket and the next step's (a
    device-synchronising clock: the whole iteration as the job runs it); after
-   :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds
-   the medians (MAX over ranks) eliminate (:func:`~gradsync.profiler.probe.race`) until one is left, the
-   rest tie, or :data:`~gradsync.profiler.probe.TIMED_STEPS` rounds were run;
+   :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds the medians (MAX over ranks) eliminate
+   (:func:`~gradsync.profiler.probe.race`) until one is left, the rest tie, or
+   :data:`~gradsync.profiler.probe.TIMED_STEPS` rounds were run;
 4. **settled**: the least timed iteration x (1 + predicted extra steps)
    (:func:`~gradsync.profiler.advise.advise`, as the start-up probe chooses) trains the rest of the job;
    the winner keeps the state it raced with.
@@ -131,7 +135,7 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
     :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
     the fastest lossless setting), of which each metered stage and the race spend what is left
-    (:meth:`OnlineAutoState._next_stage`, :meth:`OnlineAutoState._race_step`).
+    (:meth:`OnlineAutoState._meter_stage`, :meth:`OnlineAutoState._race_step`).
 
     Raises:
         ValueError: for empty ``batches``, a world size < 2 or ``job_steps`` < 1.
@@ -213,7 +217,8 @@ class OnlineAutoState(HookState):
         choice: the chosen entry once settled, else None.
         errors, noise: the measured relative errors (``{entry: float}``) and gradient noise, all-reduced.
         medians: ``{entry: median step seconds}`` of the raced entries (MAX over ranks).
-        stages: the candidates metered together, stage by stage (each :data:`QUALITY_STEPS` steps).
+        stages: the candidates metered together (one stage of :data:`QUALITY_STEPS` steps; none where nothing
+            was metered).
         overheads: ``{entry: seconds}`` each metered candidate computed per step (its hook's
             ``compress_seconds``; MAX over ranks), added to its simulated iteration.
         step_seconds: ``[(entry, seconds)]`` of every timed probe step (metered and raced), this rank's.
@@ -287,7 +292,7 @@ class OnlineAutoState(HookState):
                 self._times[self._last[0]].append(now - self._last[1])
         self._last = None
         if self.phase == "start" and self.iteration - self.start >= START_STEPS:
-            self._start_stage(self._next_stage())
+            self._start_stage(self._meter_stage())
         elif self.phase == "meter" and self.iteration - self._stage_start >= QUALITY_STEPS:
             self._end_stage()
         if self.phase == "race":
@@ -295,24 +300,16 @@ class OnlineAutoState(HookState):
         if self.phase in ("meter", "race"):
             self._last = (self.current, self.clock())
 
-    def _next_stage(self) -> list[str]:
-        """The candidates to meter next, cut to what the budget left pays for. PowerSGD's error falls as its
-        rank grows and its bytes grow with it, so the lowest rank predicted to reach the target is searched
-        for by bisection over the metered ranks (:func:`_rank`), one rank a stage: the middle one first; above
-        the highest rank predicted to miss and below the lowest predicted to reach, the middle of the ranks
-        left between (the lowest where none reached yet, the highest where none missed yet). Any other
-        candidates are metered together in the first stage."""
+    def _meter_stage(self) -> list[str]:
+        """The candidates to meter, all on the same steps, cut to what the budget pays for (the costliest
+        dropped first): PowerSGD's ranks (:func:`_rank`) highest first, so the least lossy trains the job while
+        the others are metered on copies, then any other candidate. On the LeNet's jobs a bisection that
+        metered one rank per stage read r=4 0.54-0.64 in the first stage and r=2 0.25-0.36 in the third, and
+        chose r=2, which missed the target."""
         plan = self.plan
-        ranked = plan.advice(self.errors, self.noise, overheads=self.overheads).predictions
-        reaches = {r.entry: math.isfinite(r.time_to_quality_s) for r in ranked if r.entry in self.errors}
-        ladder = sorted((e for e in plan.metered if _rank(e) is not None), key=_rank)
-        lo = max((_rank(e) for e in ladder if e in reaches and not reaches[e]), default=0)
-        hi = min((_rank(e) for e in ladder if e in reaches and reaches[e]), default=math.inf)
-        between = [e for e in ladder if lo < _rank(e) < hi and e not in self.errors]
-        stage = [] if self.stages else [e for e in plan.metered if _rank(e) is None]
-        if between:
-            index = (len(between) // 2 if (lo == 0) == math.isinf(hi) else 0 if math.isinf(hi) else -1)
-            stage.append(between[index])
+        ranked = plan.advice(self.errors, self.noise).predictions
+        ladder = sorted((e for e in plan.metered if _rank(e) is not None), key=_rank, reverse=True)
+        stage = ladder + [e for e in plan.metered if _rank(e) is None]
         sim = {r.entry: r.iteration_s for r in ranked}
         return _affordable_meter(stage, sim, plan.prof.compute_s, sim["allreduce"], self._left(sim))
 
@@ -343,7 +340,7 @@ class OnlineAutoState(HookState):
 
     def _end_stage(self) -> None:
         """All-reduce the stage's sums (errors and noise), its entries' computation per step and the probe
-        steps' seconds (MAX over ranks); then the next stage, or the race."""
+        steps' seconds (MAX over ranks); then the race."""
         self.meter.on = False
         sums = self.meter.sums().to(collective_device(self.process_group))
         dist.all_reduce(sums, group=self.process_group)
@@ -363,7 +360,7 @@ class OnlineAutoState(HookState):
         self._noises.append(noise)
         self.noise = sum(self._noises) / len(self._noises)
         self._probe_s, self._probe_steps = agreed[-1], len(self.step_seconds)
-        self._start_stage(self._next_stage())
+        self._start_race()
 
     def _start_race(self) -> None:
         """Short-list the measured candidates (as the start-up probe does) and start the race where the budget
