@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -163,15 +164,16 @@ def predict(quality: dict[str, Any], timing: dict[str, Any], auto_job: Optional[
             tail) or its world size differs.
     """
     it = iteration_seconds(timing)
-    auto_choice = timing.get("chosen_from_ccr", {}).get("auto", {}).get("entry") if "auto" in it else None
+    # the entry auto's timing round chose, whose curves and steps stand for auto's (none where auto ran as jobs)
+    timed_choice = (timing.get("chosen_from_ccr", {}).get("auto", {}).get("entry")
+                    if "auto" in it and auto_job is None else None)
     choices = [d and d.get("auto_choice") for d in (auto_job or {}).get("auto_decisions", [])]
+    auto_choice = Counter(choices).most_common(1)[0][0] if choices else timed_choice
     if auto_job is not None:
         quality = {**quality, "curves": {**quality["curves"], "auto": auto_job["curves"]["auto"]}}
-        auto_choice = max(choices, key=choices.count) if choices else None
-    elif auto_choice is not None and auto_choice in quality["curves"] and "auto" not in quality["curves"]:
-        quality = {**quality, "curves": {**quality["curves"], "auto": quality["curves"][auto_choice]}}
-    chosen = {name: auto_choice if name == "auto" and auto_choice and auto_job is None else name
-              for name in quality["curves"]}
+    elif timed_choice is not None and timed_choice in quality["curves"] and "auto" not in quality["curves"]:
+        quality = {**quality, "curves": {**quality["curves"], "auto": quality["curves"][timed_choice]}}
+    chosen = {name: timed_choice if name == "auto" and timed_choice else name for name in quality["curves"]}
     missing = sorted(set(timed_entries(list(chosen.values()))) - set(it))
     if missing:
         raise ValueError(f"timing must time every entry of the sweep; missing: {', '.join(missing)}")
@@ -208,10 +210,9 @@ def auto_label(pred: dict[str, Any]) -> str:
     choices = pred.get("auto_choices")
     if not choices:
         return f"auto (chose {pred['auto_choice']})"
-    counts = {c: choices.count(c) for c in dict.fromkeys(choices)}
-    ranked = sorted(counts, key=lambda c: -counts[c])
-    return (f"auto (jobs chose {ranked[0]} on {counts[ranked[0]]} of {len(choices)} seeds"
-            + "".join(f", {c} on {counts[c]}" for c in ranked[1:]) + ")")
+    (first, n), *rest = Counter(choices).most_common()
+    return (f"auto (jobs chose {first} on {n} of {len(choices)} seeds"
+            + "".join(f", {c} on {k}" for c, k in rest) + ")")
 
 
 def _headline(e: dict[str, Any]) -> Optional[float]:

@@ -26,7 +26,7 @@ residuals differ between ranks) through a checkpoint that only rank 0 writes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist

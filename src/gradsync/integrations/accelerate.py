@@ -71,8 +71,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..options import AUTO_ONLINE
 from . import AUTO, PAYLOAD_FORMAT, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
-from .auto import (ONLINE, AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of,
+from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of,
                    recorded_auto_entry)
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
@@ -255,7 +256,7 @@ class HookCheckpoint:
                              f"returned with algorithm 'auto' only (no choice for an online state); got algorithm "
                              f"{algorithm!r}, auto={auto!r}")
         self.state = state
-        self.algorithm = ONLINE if online else algorithm
+        self.algorithm = AUTO_ONLINE if online else algorithm
         self.device = device
         self.auto = auto
 

@@ -224,11 +224,6 @@ def choose_auto_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                        job_steps=job_steps)
 
 
-#: The checkpoint payload's algorithm of ``"auto"`` decided online (the
-#: :class:`~gradsync.profiler.online.OnlineAutoState`'s own ``config()["algorithm"]``).
-ONLINE = AUTO_ONLINE
-
-
 def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                            loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any,
                            bucket_cap_mb: float, process_group: dist.ProcessGroup | None = None,
@@ -264,7 +259,7 @@ def online_auto_state(module: torch.nn.Module, batches: Sequence[Any],
     """
     from ..profiler.online import OnlineAutoState
 
-    if pending is not None and pending.get("algorithm") != ONLINE:
+    if pending is not None and pending.get("algorithm") != AUTO_ONLINE:
         raise ValueError(f"{owner} resumes only from its own checkpoints; this one holds gradsync hook state of "
                          f"algorithm {pending.get('algorithm')!r}")
     with preserved_rng(next((p.device for p in module.parameters()), None)):
@@ -336,6 +331,6 @@ def announce_auto(choice: AutoChoice) -> None:
         sys.stdout.flush()
 
 
-__all__ = ["AutoChoice", "BatchLoss", "ONLINE", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
+__all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
            "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "online_auto_state", "plan_online_on_batches",
            "preserved_rng", "recorded_auto_entry", "to_device"]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..extras import require
+from ..options import AUTO_ONLINE
 
 pl = require("lightning.pytorch", "gradsync.integrations.lightning")
 from lightning.pytorch.callbacks import Callback  # noqa: E402
@@ -20,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
     recorded_auto_entry)
 
 
@@ -190,7 +191,7 @@ class GradsyncHook(Callback):
         self._ddp.register_comm_hook(self.state, self._hook)
         self._registered = True
         if pending:
-            load_hook_state(ONLINE, self.state, pending, device=trainer.strategy.root_device)
+            load_hook_state(AUTO_ONLINE, self.state, pending, device=trainer.strategy.root_device)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -199,7 +200,7 @@ class GradsyncHook(Callback):
         if self.state is None or not self._registered:
             return {}
         if self.online:
-            return gather_hook_state(ONLINE, self.state)
+            return gather_hook_state(AUTO_ONLINE, self.state)
         return gather_hook_state(self.algorithm, self.state, auto_entry=entry_of(self.auto))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

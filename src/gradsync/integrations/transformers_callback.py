@@ -15,10 +15,11 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..extras import require
+from ..options import AUTO_ONLINE
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    ONLINE, check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
     recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
@@ -172,7 +173,7 @@ class GradsyncCallback(TrainerCallback):
 
     @property
     def _payload_algorithm(self) -> str:
-        return ONLINE if self.online else self.algorithm
+        return AUTO_ONLINE if self.online else self.algorithm
 
     def _on_forward(self, module: torch.nn.Module, inputs: Any) -> None:
         if not isinstance(module, DistributedDataParallel) or _unwrap(module.module) is not self._model:
