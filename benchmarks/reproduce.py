@@ -344,7 +344,12 @@ EXPERIMENTS = [
           # 073ad38); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
           *((name, "a temporal convolutional network (TCN) with SGD", "tcn", "8,60", where, hosts, "26", ONLINE_GRID,
              epochs, ("--auto-probe", "online"))
-            for name, where, hosts, epochs in (("oos-tcn", "", "2", "1"), ("oos-tcn-4hosts", " on 4 hosts", "4", "2"))))),
+            for name, where, hosts, epochs in (("oos-tcn", "", "2", "1"), ("oos-tcn-4hosts", " on 4 hosts", "4", "2"))),
+          # the out-of-sample family of the online probe metering every candidate on the same steps (frozen at
+          # 330a612)
+          *((name, "a diagonal state-space model (S4D) with SGD", "s4d", "8,60", where, hosts, "26", ONLINE_GRID,
+             epochs, ("--auto-probe", "online"))
+            for name, where, hosts, epochs in (("oos-s4d", "", "2", "1"), ("oos-s4d-4hosts", " on 4 hosts", "4", "2"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",

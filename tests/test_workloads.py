@@ -134,8 +134,10 @@ def test_workload_with_model_and_defaults():
     assert lenet.optimizer == "sgd" and lenet.defaults == base.defaults and lenet.describe()["parameters"] == 281_034
     tcn = get_workload("fashion-mnist", "tcn")
     assert tcn.optimizer == "sgd" and tcn.defaults == base.defaults and tcn.describe()["parameters"] == 69_706
+    s4d = get_workload("fashion-mnist", "s4d")
+    assert s4d.optimizer == "sgd" and s4d.defaults == base.defaults and s4d.describe()["parameters"] == 64_522
     for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
-              lenet.make_model(), tcn.make_model()):
+              lenet.make_model(), tcn.make_model(), s4d.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
@@ -158,11 +160,27 @@ def test_workload_with_model_and_defaults():
     x.grad = None
     causal(x).sum().backward()
     assert bool((x.grad[0, 0].abs().sum(1) > 0).all())
+    from gradsync.workloads.ssm import RowS4D, _CausalFFTConv
+
+    with pytest.raises(ValueError, match="modes, layers and classes must be >= 1"):
+        RowS4D(modes=0)
+    u, k = torch.randn(2, 3, 9, dtype=torch.float64, requires_grad=True), torch.randn(3, 9, dtype=torch.float64,
+                                                                                        requires_grad=True)
+    assert torch.autograd.gradcheck(_CausalFFTConv.apply, (u, k))  # the written-out backward pass
+    causal = RowS4D()  # the mean over time sees every row; no step of the blocks sees a later row
+    x = torch.randn(1, 1, 28, 28, requires_grad=True)
+    causal.blocks(causal.encoder(x.flatten(1, 2).transpose(1, 2)))[0, :, 10].sum().backward()
+    seen = x.grad[0, 0].abs().sum(1)  # later rows: the FFTs' float32 round-off only
+    assert bool((seen[:11] > 0).all()) and bool((seen[11:] < 1e-5 * seen[:11].min()).all())
+    causal.zero_grad()
+    x.grad = None
+    causal(x).sum().backward()
+    assert bool((x.grad[0, 0].abs().sum(1) > 0).all())
     swin = get_workload("fashion-mnist", "swin_t")
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, mobilenet, lenet, tcn, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

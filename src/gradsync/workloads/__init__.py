@@ -36,6 +36,7 @@ from .mlp import MLP
 from .mobilenet import TinyMobileNet
 from .lenet import LeNet
 from .tcn import RowTCN
+from .ssm import RowS4D
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -304,12 +305,14 @@ def _vision_choices() -> tuple[str, ...]:
 # 281k parameters (gradsync.workloads.lenet), the recipe's SGD: added after the online probe was frozen
 # (thirteenth session, 1cef260), its out-of-sample family. A temporal convolutional network of 70k parameters over
 # the image rows (gradsync.workloads.tcn), the recipe's SGD: added after the online probe's joined torch PowerSGD
-# was frozen (fifteenth session, 073ad38), its out-of-sample family.
+# was frozen (fifteenth session, 073ad38), its out-of-sample family. A diagonal state-space model (S4D) of 65k
+# parameters over the image rows (gradsync.workloads.ssm), the recipe's SGD: added after the online probe's stage
+# metering was frozen (sixteenth session), its out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
                                                       "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
                                                       "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet(),
-                                                      "tcn": lambda: RowTCN()}
+                                                      "tcn": lambda: RowTCN(), "s4d": lambda: RowS4D()}
 
 
 _KJV_VOCAB_SIZE = 73
