@@ -362,12 +362,13 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
     out = Path(out)
     model, qual = _flags(values, MODEL_FLAGS), _flags(values, QUALITY_FLAGS)
     budget = _flags(values, BUDGET_FLAGS)  # auto scales a dense tail's start to the budget
-    seed_flag = ["--seeds", ",".join(map(str, seeds))]
     short = ["--steps", "3", "--warmup", "1", "--rounds", "1"]
 
-    def quality_run(entry: str, target: Optional[float], folder: Path, network: list[str]) -> dict[str, Any]:
-        argv = (["bench", "--hosts", str(hosts), *network, "--algorithms", entry, "--to-quality", *seed_flag,
-                 *short, *model, *qual] + ([] if target is None else ["--quality-target", repr(target)]))
+    def quality_run(entry: str, target: Optional[float], folder: Path, network: list[str],
+                    run_seeds: list[int] = seeds, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        argv = (["bench", "--hosts", str(hosts), *network, "--algorithms", entry, "--to-quality", "--seeds",
+                 ",".join(map(str, run_seeds)), *short, *model, *qual, *extra]
+                + ([] if target is None else ["--quality-target", repr(target)]))
         return run_or_reuse(folder, argv, run)
 
     ordered = sorted((e for e in entries if e != "auto"), key=lambda e: e != "allreduce")
@@ -388,19 +389,15 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
                                f"bench ran on loopback instead: {timing.get('network')}")
         auto_job = None
         if "auto" in entries and values.get("auto_probe") == "online":  # auto trained as the job it is
-            argv = ["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", "auto", "--to-quality",
-                    *seed_flag, *short, *model, *qual, *_flags(values, TIMING_FLAGS),
-                    "--quality-target", repr(merged["target"])]
-            auto_job = run_or_reuse(out / f"auto-{hosts}x{rate:g}mbit", argv, run)["quality"]
+            auto_job = quality_run("auto", merged["target"], out / f"auto-{hosts}x{rate:g}mbit",
+                                   ["--bandwidth", f"{rate:g}"], extra=tuple(_flags(values, TIMING_FLAGS)))["quality"]
         networks[f"{rate:g}"] = predict(merged, timing, auto_job)
     validation = []
     if validate_at is not None:
         rates, v_entries, v_seeds = validate_at
         for rate in rates:
-            argv = (["bench", "--hosts", str(hosts), "--bandwidth", f"{rate:g}", "--algorithms", ",".join(v_entries),
-                     "--to-quality", "--seeds", ",".join(map(str, v_seeds)), *short, *model, *qual,
-                     "--quality-target", repr(merged["target"])])
-            measured = run_or_reuse(out / f"validate-{hosts}x{rate:g}mbit", argv, run)
+            measured = quality_run(",".join(v_entries), merged["target"], out / f"validate-{hosts}x{rate:g}mbit",
+                                   ["--bandwidth", f"{rate:g}"], v_seeds)
             validation.append({"bandwidth_mbit": rate, **validate(networks[f"{rate:g}"], measured["quality"])})
     result = {"quality": merged, "networks": networks, "validation": validation, "hosts": hosts}
     (out / "sweep.json").write_text(json.dumps(result, indent=1))
