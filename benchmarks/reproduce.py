@@ -349,7 +349,12 @@ EXPERIMENTS = [
           # 330a612)
           *((name, "a diagonal state-space model (S4D) with SGD", "s4d", "8,60", where, hosts, "26", ONLINE_GRID,
              epochs, ("--auto-probe", "online"))
-            for name, where, hosts, epochs in (("oos-s4d", "", "2", "1"), ("oos-s4d-4hosts", " on 4 hosts", "4", "2"))))),
+            for name, where, hosts, epochs in (("oos-s4d", "", "2", "1"), ("oos-s4d-4hosts", " on 4 hosts", "4", "2"))),
+          # the second out-of-sample family of the same frozen rule (330a612)
+          *((name, "a DenseNet-BC with SGD", "densenet", "8,60", where, hosts, "26", ONLINE_GRID, epochs,
+             ("--auto-probe", "online"))
+            for name, where, hosts, epochs in (("oos-densenet", "", "2", "1"),
+                                               ("oos-densenet-4hosts", " on 4 hosts", "4", "2"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",

@@ -136,8 +136,11 @@ def test_workload_with_model_and_defaults():
     assert tcn.optimizer == "sgd" and tcn.defaults == base.defaults and tcn.describe()["parameters"] == 69_706
     s4d = get_workload("fashion-mnist", "s4d")
     assert s4d.optimizer == "sgd" and s4d.defaults == base.defaults and s4d.describe()["parameters"] == 64_522
+    densenet = get_workload("fashion-mnist", "densenet")
+    assert densenet.optimizer == "sgd" and densenet.describe()["parameters"] == 76_770
     for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
-              lenet.make_model(), tcn.make_model(), s4d.make_model()):
+              lenet.make_model(), tcn.make_model(), s4d.make_model(),
+              densenet.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
@@ -160,6 +163,14 @@ def test_workload_with_model_and_defaults():
     x.grad = None
     causal(x).sum().backward()
     assert bool((x.grad[0, 0].abs().sum(1) > 0).all())
+    from gradsync.workloads.densenet import TinyDenseNet
+
+    with pytest.raises(ValueError, match="growth, every block's layers and classes must be >= 1"):
+        TinyDenseNet(layers=())
+    dense = TinyDenseNet(growth=4, layers=(2, 3))  # every layer adds 4 maps; the transition halves 16 to 8
+    assert [m.out_channels for m in dense.modules() if isinstance(m, torch.nn.Conv2d)] == [8, 16, 4, 16, 4, 8, 16, 4,
+                                                                                          16, 4, 16, 4]
+    assert dense.head.in_features == 20
     from gradsync.workloads.ssm import RowS4D, _CausalFFTConv
 
     with pytest.raises(ValueError, match="modes, layers and classes must be >= 1"):
@@ -180,7 +191,7 @@ def test_workload_with_model_and_defaults():
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, densenet, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

@@ -37,6 +37,7 @@ from .mobilenet import TinyMobileNet
 from .lenet import LeNet
 from .tcn import RowTCN
 from .ssm import RowS4D
+from .densenet import TinyDenseNet
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -307,12 +308,15 @@ def _vision_choices() -> tuple[str, ...]:
 # the image rows (gradsync.workloads.tcn), the recipe's SGD: added after the online probe's joined torch PowerSGD
 # was frozen (fifteenth session, 073ad38), its out-of-sample family. A diagonal state-space model (S4D) of 65k
 # parameters over the image rows (gradsync.workloads.ssm), the recipe's SGD: added after the online probe's stage
-# metering was frozen (sixteenth session), its out-of-sample family.
+# metering was frozen (sixteenth session), its out-of-sample family. A DenseNet-BC of 77k parameters
+# (gradsync.workloads.densenet), the recipe's SGD: added (seventeenth session) as the second out-of-sample family
+# of the same frozen rule (330a612).
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
                                                       "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
                                                       "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet(),
-                                                      "tcn": lambda: RowTCN(), "s4d": lambda: RowS4D()}
+                                                      "tcn": lambda: RowTCN(), "s4d": lambda: RowS4D(),
+                                                      "densenet": lambda: TinyDenseNet()}
 
 
 _KJV_VOCAB_SIZE = 73
