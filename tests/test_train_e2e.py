@@ -167,6 +167,8 @@ def test_dear_with_clipping_gives_the_losses_of_allreduce_with_clipping(tmp_path
     assert ref["config"]["clip_grad_norm"] == 0.5 and len(a) == len(b) == 8
     # DeAR's global norm sums the reduced shards in another order than torch's per-parameter norms:
     # the clip coefficient can differ in its last bit (as torch's own norm of the concatenated gradient
-    # differs from its per-parameter norm), so the losses agree to float32 rounding, not bitwise
+    # differs from its per-parameter norm), so the losses agree to float32 rounding, not bitwise. That rounding
+    # grows over the 8 steps: 1.7e-4 relative on one machine of the CI kind, under 1e-4 on another; a clip threshold
+    # 10 % off (0.45) moves the losses by 9.5e-3, no clipping by 0.10
     assert a[:2] == b[:2]
-    assert b == pytest.approx(a, rel=1e-4)
+    assert b == pytest.approx(a, rel=1e-3)
