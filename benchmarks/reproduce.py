@@ -340,21 +340,14 @@ EXPERIMENTS = [
                 ("online-resnet8", "the ResNet-8 (the quality model's own workload) under the online probe", "resnet8",
                  "5,40"))
             for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))),
-          # the out-of-sample family of the online probe with torch's PowerSGD raced on joined buckets (frozen at
-          # 073ad38); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
-          *((name, "a temporal convolutional network (TCN) with SGD", "tcn", "8,60", where, hosts, "26", ONLINE_GRID,
-             epochs, ("--auto-probe", "online"))
-            for name, where, hosts, epochs in (("oos-tcn", "", "2", "1"), ("oos-tcn-4hosts", " on 4 hosts", "4", "2"))),
-          # the out-of-sample family of the online probe metering every candidate on the same steps (frozen at
-          # 330a612)
-          *((name, "a diagonal state-space model (S4D) with SGD", "s4d", "8,60", where, hosts, "26", ONLINE_GRID,
-             epochs, ("--auto-probe", "online"))
-            for name, where, hosts, epochs in (("oos-s4d", "", "2", "1"), ("oos-s4d-4hosts", " on 4 hosts", "4", "2"))),
-          # the second out-of-sample family of the same frozen rule (330a612)
-          *((name, "a DenseNet-BC with SGD", "densenet", "8,60", where, hosts, "26", ONLINE_GRID, epochs,
-             ("--auto-probe", "online"))
-            for name, where, hosts, epochs in (("oos-densenet", "", "2", "1"),
-                                               ("oos-densenet-4hosts", " on 4 hosts", "4", "2"))))),
+          # the online probe's out-of-sample families, each written after its rule was frozen: the TCN (torch's PowerSGD
+          # raced on joined buckets, 073ad38), the S4D and the DenseNet-BC (every candidate metered on the same steps,
+          # 330a612); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
+          *((prefix + suffix, family, model, "8,60", where, hosts, "26", ONLINE_GRID, epochs, ("--auto-probe", "online"))
+            for prefix, family, model in (("oos-tcn", "a temporal convolutional network (TCN) with SGD", "tcn"),
+                                          ("oos-s4d", "a diagonal state-space model (S4D) with SGD", "s4d"),
+                                          ("oos-densenet", "a DenseNet-BC with SGD", "densenet"))
+            for suffix, where, hosts, epochs in (("", "", "2", "1"), ("-4hosts", " on 4 hosts", "4", "2"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"
             "diloco:period=16:fragments=4,diloco:period=4,local-sgd:period=4,diloco:period=64,local-sgd:period=64",

@@ -137,10 +137,9 @@ def test_workload_with_model_and_defaults():
     s4d = get_workload("fashion-mnist", "s4d")
     assert s4d.optimizer == "sgd" and s4d.defaults == base.defaults and s4d.describe()["parameters"] == 64_522
     densenet = get_workload("fashion-mnist", "densenet")
-    assert densenet.optimizer == "sgd" and densenet.describe()["parameters"] == 76_770
+    assert densenet.optimizer == "sgd" and densenet.defaults == base.defaults and densenet.describe()["parameters"] == 76_770
     for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
-              lenet.make_model(), tcn.make_model(), s4d.make_model(),
-              densenet.make_model()):
+              lenet.make_model(), tcn.make_model(), s4d.make_model(), densenet.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
