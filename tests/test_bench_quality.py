@@ -153,3 +153,11 @@ def test_bench_to_quality_takes_dense_target_from_a_small_test_set_evaluated_in_
 def test_quality_table_needs_to_quality(capsys):
     with pytest.raises(ValueError, match="needs --to-quality"):
         print_quality_table({"config": {}, "rows": []}, "loopback")
+
+
+def test_a_given_target_runs_each_seed_s_entries_back_to_back_and_dense_s_target_waits_for_its_seeds():
+    from gradsync.bench.worker import run_order
+
+    assert run_order([0, 1], ["fp16", "auto"]) == [(0, "fp16"), (0, "auto"), (1, "fp16"), (1, "auto")]
+    assert run_order([0, 1], ["fp16", "allreduce"], dense="allreduce") == [
+        (0, "allreduce"), (1, "allreduce"), (0, "fp16"), (1, "fp16")]

@@ -214,6 +214,13 @@ def test_online_auto_is_trained_as_a_job_on_every_network_and_its_measured_secon
     n = len(calls)
     run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path, values, fake_bench)
     assert len(calls) == n, "the jobs are reused like any sub-run"
+    # a validation of auto measures as its jobs did (online); one of a fixed entry has nothing to probe
+    for entry in ("auto", "fast"):
+        run_sweep(["fast", "auto", "allreduce"], SEEDS, 2, [5.0, 40.0], tmp_path / entry, values, fake_bench,
+                  validate_at=([5.0], [entry], [0, 3]))
+        shaped = calls[-1]
+        assert shaped[shaped.index("--algorithms") + 1] == entry and shaped[shaped.index("--seeds") + 1] == "0,3"
+        assert ("--auto-probe" in shaped) == (entry == "auto")
 
 
 def test_a_timing_run_on_loopback_is_refused(tmp_path):

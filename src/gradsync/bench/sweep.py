@@ -340,7 +340,10 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         steps, warmup, rounds: the timing benches' iterations.
         quality_target: an absolute target; None: dense's mean final minus 0.5 points.
         validate_at: ``(rates, entries, seeds)``: a full shaped to-quality run of ``entries`` and
-            ``seeds`` at each of ``rates`` (among ``bandwidths``) to check the prediction there.
+            ``seeds`` at each of ``rates`` (among ``bandwidths``) to check the prediction there; ``auto``
+            among them measures as in the timing runs (``--auto-probe``), its jobs run seed by seed
+            beside the others' (the target is given), so auto and a fixed setting are compared on the
+            same stretch of the machine's time.
 
     Returns:
         ``{"quality": merge_quality(...), "networks": {rate: predict(...)}, "validation": [validate(...)
@@ -397,7 +400,8 @@ def run_sweep(entries: list[str], seeds: list[int], hosts: int, bandwidths: list
         rates, v_entries, v_seeds = validate_at
         for rate in rates:
             measured = quality_run(",".join(v_entries), merged["target"], out / f"validate-{hosts}x{rate:g}mbit",
-                                   ["--bandwidth", f"{rate:g}"], v_seeds)
+                                   ["--bandwidth", f"{rate:g}"], v_seeds,
+                                   extra=tuple(_flags(values, TIMING_FLAGS)) if "auto" in v_entries else ())
             validation.append({"bandwidth_mbit": rate, **validate(networks[f"{rate:g}"], measured["quality"])})
     result = {"quality": merged, "networks": networks, "validation": validation, "hosts": hosts}
     (out / "sweep.json").write_text(json.dumps(result, indent=1))

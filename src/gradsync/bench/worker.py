@@ -301,15 +301,21 @@ def _online_auto(plan: Any, model0: torch.nn.Module, make_optimizer: Callable, c
     return dp
 
 
-def _seed_entries(cfg: BenchConfig, workload: Any, make: Callable[..., Any], entry_major: list[str] | None = None):
+def run_order(seeds: list[int], entries: list[str], dense: str | None = None) -> list[tuple[int, str]]:
+    """``(seed, entry)`` pairs in the order a to-quality bench trains them. Where the target comes from
+    the ``dense`` entry's runs, every seed of it first, then every seed of each other entry; else seed
+    by seed, each seed's ``entries`` back to back, so a slow spell of the machine falls on every entry
+    alike, not on the one that ran then."""
+    if dense is not None:
+        return [(s, n) for n in [dense] + [e for e in entries if e != dense] for s in seeds]
+    return [(s, n) for s in seeds for n in entries]
+
+
+def _seed_entries(cfg: BenchConfig, workload: Any, make: Callable[..., Any], dense: str | None = None):
     """For each seed of ``cfg.accuracy_seeds()``, each entry of ``cfg.algorithms`` built from that seed's
-    start model: yields ``(seed, name, dp, g)`` with ``g`` the seed's data-order generator, so every
-    entry of a seed starts from the same model and sees the same batches. With ``entry_major`` (the
-    entries in the order to run) every seed of an entry runs before the next entry."""
-    seeds = cfg.accuracy_seeds()
-    pairs = ([(s, n) for n in entry_major for s in seeds] if entry_major is not None
-             else [(s, n) for s in seeds for n in cfg.algorithms])
-    for seed, name in pairs:
+    start model, in :func:`run_order`: yields ``(seed, name, dp, g)`` with ``g`` the seed's data-order
+    generator, so every entry of a seed starts from the same model and sees the same batches."""
+    for seed, name in run_order(cfg.accuracy_seeds(), cfg.algorithms, dense):
         torch.manual_seed(seed)
         model = workload.make_model()
         g = torch.Generator().manual_seed(seed + 17)
@@ -371,7 +377,8 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
     the whole set)
     and a copy of the model, then the full evaluations :func:`~gradsync.bench.quality.lazy_curve`
     picks once the target is known (the dense entry runs all its seeds first when the target comes
-    from it); the final quality is always a full evaluation. Evaluations are all-reduced and the step
+    from it; with a given target each seed runs every entry back to back, so a slow spell of the machine
+    falls on the entries alike, not on the one that ran then); the final quality is always a full evaluation. Evaluations are all-reduced and the step
     count fixed, so every rank runs the same collectives. Model copies are held in host memory until
     the target is known (the dense entry's: every seed's, one per evaluation step).
 
@@ -406,7 +413,6 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
 
     seeds = cfg.accuracy_seeds()
     dense = cfg.dense_entry() if cfg.quality_target is None else None
-    order = ([dense] if dense else []) + [a for a in cfg.algorithms if a != dense]
     target = cfg.quality_target
     curves: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
     cheap: dict[str, list[Any]] = {name: [None] * len(seeds) for name in cfg.algorithms}
@@ -425,7 +431,7 @@ def _time_to_quality(cfg, workload, make, train_x, train_y, test_x, test_y, loss
             return quality(scratch)
         curves[name][k] = lazy_curve(cheap[name][k], target, higher, full)
 
-    for seed, name, dp, g in _seed_entries(cfg, workload, make, order):
+    for seed, name, dp, g in _seed_entries(cfg, workload, make, dense):
         k = seeds.index(seed)
         sched = one_cycle(dp.optimizer, cfg.lr, total, workload.recipe.warmup_fraction)
         torch.manual_seed(seed * 1000 + rank)  # the same augmentation for every entry of the seed
