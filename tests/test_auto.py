@@ -76,6 +76,24 @@ def test_auto_weighs_iteration_time_with_extra_steps_predicted_from_the_measured
     assert timed.choice.speedup == pytest.approx(2.5) and "measured 2.50x" in timed.reason
 
 
+def test_a_cast_timed_beside_ddp_needs_no_margin_but_a_predicted_or_lossy_one_does():
+    """MIN_GAIN (1.10) covers the simulator's error: a lossless cast timed on the same steps as DDP is chosen
+    when faster at all; predicted, or lossy (its extra steps are a prediction), it still needs the margin."""
+    slow_bw = effective_bandwidth_mbit(PROFILE, 2, 0.30)
+    fp16 = lambda e: e == "fp16"  # noqa: E731
+    close = advise(PROFILE, 2, slow_bw, errors={"fp16": 0.0003}, allowed=fp16, iterations={"allreduce": 0.206, "fp16": 0.2})
+    assert close.choice.entry == "fp16", close.reason
+    slower = advise(PROFILE, 2, slow_bw, errors={"fp16": 0.0003}, allowed=fp16, iterations={"allreduce": 0.2, "fp16": 0.206})
+    assert slower.choice.entry == "allreduce" and "timed beside DDP" in slower.reason
+    ddp_s = next(r.iteration_s for r in advise(PROFILE, 2, slow_bw).predictions if r.entry == "allreduce")
+    untimed_ddp = advise(PROFILE, 2, slow_bw, errors={"fp16": 0.0003}, allowed=fp16, iterations={"fp16": ddp_s / 1.05})
+    assert untimed_ddp.choice.entry == "allreduce", "DDP simulated: the simulator's error still needs the margin"
+    r4 = "powersgd:matrix_approximation_rank=4"
+    lossy = advise(PROFILE, 2, slow_bw, errors={r4: 0.1}, noise=0.5, family="sgd", allowed=lambda e: e == r4,
+                   iterations={"allreduce": 0.206, r4: 0.2})
+    assert lossy.choice.entry == "allreduce" and "within the predictions' ~10 % error" in lossy.reason
+
+
 def test_quality_model_fit_and_cross_validation():
     inf = float("inf")
     # noise 1 at 2 ranks: the ratio is the error; "c" has quiet gradients (0.1 of noise), "d" 5 ranks; "e" and "f"

@@ -40,8 +40,8 @@ def _plan(model, batches, **changes):
     plan = plan_online(model, batches, F.cross_entropy, _optimizer, "mlp", 16, 0.005)
     # a slow network, so compression pays: the plan's CCR as a 2 Mbit/s link would give it (on loopback the plan
     # may measure nothing: its casts' errors are measured here)
-    changes = {"joined": (), **changes}
-    return dataclasses.replace(plan, bandwidth_mbit=2.0, base="fp16", metered=(R1, R4),
+    changes = {"joined": (), "base": "fp16", "metered": (R1, R4), **changes}
+    return dataclasses.replace(plan, bandwidth_mbit=2.0,
                                errors=cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"]), **changes)
 
 
@@ -229,3 +229,29 @@ def test_train_online_auto_writes_its_decision_and_resumes_it(tmp_path):
     assert again["steps"] == 5 and again["auto_choice"] == "allreduce"
     not_auto = run_cli(["train", "--algorithm", "fp16", "--auto-probe", "online"], timeout=60)
     assert not_auto.returncode != 0 and "auto_probe 'online' needs algorithm 'auto'" in not_auto.stderr
+
+
+def test_only_lossy_settings_clearly_faster_than_the_fastest_lossless_one_are_metered():
+    from gradsync.profiler.online import faster_than_lossless
+
+    sim = {"allreduce": 0.147, "fp16": 0.124, R1: 0.117, R4: 0.100}
+    assert faster_than_lossless([R1, R4], sim, ["fp16"]) == [R4]  # r=4 1.24x fp16; r=1 only 1.06x
+    assert faster_than_lossless([R1, R4], sim, []) == [R1, R4]  # against DDP alone both are (1.26x, 1.47x)
+
+
+def _lossless_race(rank, world):
+    from gradsync.profiler.online import OnlineAutoState
+
+    model, batches = _job(rank)
+    plan = _plan(model, batches, base="allreduce", metered=(), lossless_race=True)
+    clock = _StepClock(next(r.iteration_s for r in plan.advice().predictions if r.entry == "allreduce"))
+    state = OnlineAutoState(plan, model, clock=clock)
+    ran = _Job(state, model, batches).train(START_STEPS + 2 * TIMED_STEPS + 2, clock)
+    return state.choice, state.stages, sorted(state.medians), ran
+
+
+def test_a_cast_within_the_simulators_error_of_ddp_is_raced_beside_it_and_the_faster_chosen():
+    (choice, stages, raced, ran), other = run_ranks(_lossless_race, 2, timeout=180)
+    assert (choice, stages, raced, ran) == other
+    assert stages == [] and raced == ["allreduce", "fp16"] and choice == "fp16", (stages, raced, choice)
+    assert ran[:START_STEPS] == ["allreduce"] * START_STEPS and ran[-1] == "fp16"

@@ -18,7 +18,9 @@ was measured on the job itself (:mod:`gradsync.profiler.probe`):
    whose arithmetic equals DDP's (allreduce, DeAR);
 4. the candidates with a known cost are ranked by it; lossy settings whose error was not measured
    follow, by iteration time, labelled "not measured". The first is recommended unless the CCR is
-   below :data:`LOW_CCR` or it gains less than :data:`MIN_GAIN` over DDP: then plain DDP.
+   below :data:`LOW_CCR` or it gains less than :data:`MIN_GAIN` over DDP: then plain DDP. A lossless
+   setting (0 extra steps) timed beside DDP on the same steps needs no margin: the faster of the two is
+   recommended (MIN_GAIN covers the simulator's error, which a measured pair does not carry).
 
 No table of other models' runs enters the choice: a cost measured on one model does not carry to
 another (PowerSGD r=4 with a dense tail reached the target on 4 of 5 seeds of the ResNet-8 and on 1
@@ -241,6 +243,11 @@ def _cost(entry: str, errors: Mapping[str, float], noise: float | None, world_si
     return extra, f"error {e:.2f} = {r:.2f} x noise: {extra * 100:+.0f} % steps predicted", source
 
 
+def _raced_lossless(best: Prediction, ddp: Prediction) -> bool:
+    """``best`` loses no steps (a cast, DeAR) and both it and DDP were timed on the job's own steps."""
+    return best.timed and ddp.timed and best.extra_steps == 0
+
+
 def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidth_mbit: float,
            errors: Mapping[str, float] | None = None, iterations: Mapping[str, float] | None = None,
            latency_s: float = 0.0, overlap_efficiency: float = 1.0,
@@ -317,10 +324,12 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         choice = ddp
         reason = (f"CCR {ccr:.2f} < {LOW_CCR}: a dense all-reduce takes under half the backward pass and DDP "
                   f"overlaps it with backward; use plain DDP (allreduce): compression would only add work.")
-    elif gain < MIN_GAIN:
+    elif gain <= 1.0 or (gain < MIN_GAIN and not _raced_lossless(best, ddp)):
         choice = ddp
-        reason = (f"CCR {ccr:.2f}: the best alternative, {best.label}, is predicted only {gain:.2f}x "
-                  f"faster to the same quality, within the predictions' ~10 % error; use plain DDP (allreduce).")
+        reason = (f"CCR {ccr:.2f}: the best alternative, {best.label}, is {'measured' if best.timed else 'predicted'} "
+                  f"only {gain:.2f}x faster to the same quality"
+                  + (", timed beside DDP on the job's own steps" if _raced_lossless(best, ddp)
+                     else ", within the predictions' ~10 % error") + "; use plain DDP (allreduce).")
     else:
         choice = best
         how = "measured" if best.timed else "predicted"

@@ -9,7 +9,10 @@ the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
 
 1. **start** (:data:`~gradsync.profiler.probe.START_STEPS` iterations): the job trains on the lossless
    ``base`` (DDP or a 16-bit cast: :func:`~gradsync.profiler.auto._untimed_cast`), DDP rebuilds its buckets;
-2. **meter** (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations): every lossy candidate is metered on
+2. **meter** (:data:`~gradsync.profiler.probe.QUALITY_STEPS` iterations): every lossy candidate predicted
+   :data:`~gradsync.profiler.advise.MIN_GAIN` x faster than the fastest lossless setting (one predicted slower
+   is never chosen, and metering it cost the DenseNet's jobs at 4 hosts x 60 Mbit/s 300-415 ms steps where fp16's
+   took 125-150 ms) is metered on
    the same steps under a :class:`~gradsync.algorithms.meter.QualityMeter`, the first (PowerSGD's highest rank,
    the least error) training the job (its aggregate is DDP's, its error feedback its own), the others on copies
    of the same buckets: each one's relative error against a dense all-reduce of
@@ -29,7 +32,9 @@ the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
    device-synchronising clock: the whole iteration as the job runs it); after
    :data:`~gradsync.profiler.probe.RACE_MIN_STEPS` rounds the medians (MAX over ranks) eliminate
    (:func:`~gradsync.profiler.probe.race`) until one is left, the rest tie, or
-   :data:`~gradsync.profiler.probe.TIMED_STEPS` rounds were run;
+   :data:`~gradsync.profiler.probe.TIMED_STEPS` rounds were run. Where nothing is metered but a 16-bit cast is
+   predicted faster than DDP by less than the simulator's error (:attr:`OnlinePlan.lossless_race`), the cast
+   and DDP are raced alone, right after the start;
 4. **settled**: the least timed iteration x (1 + predicted extra steps)
    (:func:`~gradsync.profiler.advise.advise`, as the start-up probe chooses) trains the rest of the job;
    the winner keeps the state it raced with.
@@ -60,7 +65,7 @@ from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter,
 from ..comm.collectives import collective_device, max_over_ranks
 from ..options import AUTO_ONLINE
 from ..sim.profile import Profile
-from .advise import CASTS, LOW_CCR, advise, candidates, is_hook, single_bucket
+from .advise import CASTS, LOW_CCR, MIN_GAIN, advise, candidates, is_hook, single_bucket
 from .compute import device_clock
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
                     cast_errors, quality_proxy, race)
@@ -95,6 +100,9 @@ class OnlinePlan:
             (:func:`~gradsync.algorithms.joined.joined_hook`), never metered: their error and computation per
             step are read off their :func:`~gradsync.profiler.probe.quality_proxy`'s, as the start-up probe
             reads them.
+        lossless_race: nothing is metered, and a 16-bit cast is predicted faster than DDP but not
+            :data:`~gradsync.profiler.advise.MIN_GAIN` x (within the simulator's error): the two are raced on
+            the job's steps, and the faster is chosen.
     """
 
     prof: Profile
@@ -109,6 +117,7 @@ class OnlinePlan:
     phases: dict = field(default_factory=dict)
     shortlist: int = 3
     joined: tuple = ()
+    lossless_race: bool = False
 
     def advice(self, errors: Optional[dict] = None, noise: Optional[float] = None,
                iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True,
@@ -158,18 +167,31 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     errors: dict[str, float] = {}
     metered: list[str] = []
     budget = math.inf if job_steps is None else _probe_budget(simulated, hookable, job_steps)
+    sim = {r.entry: r.iteration_s for r in simulated.predictions}
+    casts: list[str] = []
     if simulated.ccr >= LOW_CCR:
-        casts, metered = split_candidates(simulated, hookable)
+        metered = split_candidates(simulated, hookable)[1]
+        casts = [e for e in CASTS if hookable(e) and e in sim and sim[e] < sim["allreduce"]]
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
     lossless = advise(prof, world, bandwidth, errors=errors, allowed=lambda e: hookable(e) and (
         e == "allreduce" or e in CASTS)).choice.entry  # DDP unless a cast is predicted MIN_GAIN x faster
     base = lossless if lossless == "allreduce" else (_untimed_cast(errors, hookable) or "allreduce")
+    metered = faster_than_lossless(metered, sim, casts)
+    lossless_race = not metered and bool(casts) and base == "allreduce"
     setup = max_over_ranks([time.perf_counter() - t0], group)[0]  # the ranks' clocks differ
     joined = tuple(e for e, _, _ in candidates() if allowed(e) and is_hook(e) and single_bucket(e)
                    and quality_proxy(e) in metered)
     return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist,
-                      joined)
+                      joined, lossless_race)
+
+
+def faster_than_lossless(entries: Sequence[str], sim: dict, casts: Sequence[str]) -> list[str]:
+    """The lossy ``entries`` whose simulated iteration (``sim``: ``{entry: seconds}``) is at least
+    :data:`~gradsync.profiler.advise.MIN_GAIN` x faster than the fastest lossless setting (DDP and ``casts``):
+    a lossy setting only that much faster could repay its extra steps, so the rest are not metered."""
+    fastest = min(sim[e] for e in ["allreduce", *casts])
+    return [e for e in entries if sim[e] * MIN_GAIN <= fastest]
 
 
 def _rank(entry: str) -> Optional[int]:
@@ -251,8 +273,8 @@ class OnlineAutoState(HookState):
         self.start = iteration
         self.current = self.plan.base
         self._hook(self.plan.base)
-        self.phase = "start" if self.plan.metered else "settled"
-        if not self.plan.metered:
+        self.phase = "start" if self.plan.metered or self.plan.lossless_race else "settled"
+        if self.phase == "settled":
             self.choice, self.reason = self.plan.base, "nothing to measure: no lossy setting could pay off"
         self._round: list[str] = []
         self._times: dict[str, list[float]] = {}
