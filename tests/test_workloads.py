@@ -138,8 +138,11 @@ def test_workload_with_model_and_defaults():
     assert s4d.optimizer == "sgd" and s4d.defaults == base.defaults and s4d.describe()["parameters"] == 64_522
     densenet = get_workload("fashion-mnist", "densenet")
     assert densenet.optimizer == "sgd" and densenet.defaults == base.defaults and densenet.describe()["parameters"] == 76_770
+    squeezenet = get_workload("fashion-mnist", "squeezenet")
+    assert (squeezenet.optimizer == "sgd" and squeezenet.defaults == base.defaults
+            and squeezenet.describe()["parameters"] == 87_210)
     for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
-              lenet.make_model(), tcn.make_model(), s4d.make_model(), densenet.make_model()):
+              lenet.make_model(), tcn.make_model(), s4d.make_model(), densenet.make_model(), squeezenet.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
@@ -170,6 +173,14 @@ def test_workload_with_model_and_defaults():
     assert [m.out_channels for m in dense.modules() if isinstance(m, torch.nn.Conv2d)] == [8, 16, 4, 16, 4, 8, 16, 4,
                                                                                           16, 4, 16, 4]
     assert dense.head.in_features == 20
+    from gradsync.workloads.squeezenet import TinySqueezeNet
+
+    with pytest.raises(ValueError, match="Fire widths that are even"):
+        TinySqueezeNet(widths=(8, 7))
+    fire = TinySqueezeNet(widths=(4, 16, 32))  # squeeze to 1/8, two expands of half the width side by side
+    assert [m.out_channels for m in fire.modules() if isinstance(m, torch.nn.Conv2d)] == [4, 2, 8, 8, 2, 8, 8, 4, 16,
+                                                                                         16, 4, 16, 16, 10]
+    assert fire(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.ssm import RowS4D, _CausalFFTConv
 
     with pytest.raises(ValueError, match="modes, layers and classes must be >= 1"):
@@ -190,7 +201,7 @@ def test_workload_with_model_and_defaults():
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, densenet, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, densenet, squeezenet, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

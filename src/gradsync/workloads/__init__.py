@@ -38,6 +38,7 @@ from .lenet import LeNet
 from .tcn import RowTCN
 from .ssm import RowS4D
 from .densenet import TinyDenseNet
+from .squeezenet import TinySqueezeNet
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -310,13 +311,16 @@ def _vision_choices() -> tuple[str, ...]:
 # parameters over the image rows (gradsync.workloads.ssm), the recipe's SGD: added after the online probe's stage
 # metering was frozen (sixteenth session), its out-of-sample family. A DenseNet-BC of 77k parameters
 # (gradsync.workloads.densenet), the recipe's SGD: added (seventeenth session) as the second out-of-sample family
-# of the same frozen rule (330a612).
+# of the same frozen rule (330a612). A SqueezeNet of 87k parameters (gradsync.workloads.squeezenet), the recipe's
+# SGD: added (eighteenth session) after the online rule's lossless race and metering filter were frozen, their
+# out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
                                                       "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
                                                       "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet(),
                                                       "tcn": lambda: RowTCN(), "s4d": lambda: RowS4D(),
-                                                      "densenet": lambda: TinyDenseNet()}
+                                                      "densenet": lambda: TinyDenseNet(),
+                                                      "squeezenet": lambda: TinySqueezeNet()}
 
 
 _KJV_VOCAB_SIZE = 73
