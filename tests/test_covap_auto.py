@@ -143,7 +143,8 @@ _RANK_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mbit, widths, cast", [
     (20.0, "256,512,256,10", ""),             # 0.30 M parameters, 1.2 MB
-    (100.0, "1024,1024,512,10", "fp16"),      # 1.58 M parameters, 6.3 MB (issue 18, item 4)
+    (50.0, "1024,1024,512,10", "fp16"),       # 1.58 M parameters, 6.3 MB (issue 18, item 4); at 100 Mbit/s a
+                                              # fresh-clone CI beside a 4-rank sweep measured CCR 1.48
 ])
 def test_auto_reaches_k_above_1_by_itself_on_a_slow_network(mbit, widths, cast):
     from gradsync.cluster import EmulatedCluster
@@ -170,7 +171,7 @@ def test_auto_reaches_k_above_1_by_itself_on_a_slow_network(mbit, widths, cast):
           f"{outs[0]['backward_s'] * 1e3:.1f} ms), K per step {outs[0]['ks']}")
     assert outs[0]["ks"] == outs[1]["ks"] and outs[0]["ccr"] == outs[1]["ccr"]
     t_cal = CovapState(ratio="auto").calibration_iter
-    # ~0.5 s per dense all-reduce (0.25 s in the fp16 wire dtype) against a backward pass of a few ms
+    # ~0.5 s per dense all-reduce (of the fp16 wire dtype at 50 Mbit/s) against a backward pass of a few ms
     # (measured up to 0.1 s with the cores shared by other jobs): CCR well above 1.5 on any machine,
     # so K = min(ceil(CCR), max_ratio) > 1 from the calibration on, on both ranks
     k = ratio_for_ccr(outs[0]["ccr"], max_ratio)
