@@ -14,12 +14,15 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed import run_ranks
 from test_probe import _job, _optimizer  # the same 2-rank MLP job and SGD
 from gradsync.profiler.probe import QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS
+from gradsync.profiler.quality_model import FITTED_TRAINING
 
 R1, R4 = "powersgd-overlap:matrix_approximation_rank=1", "powersgd-overlap:matrix_approximation_rank=4"
 T4 = "powersgd:matrix_approximation_rank=4"  # torch's, raced on the job's buckets joined into one
 #: the test's step times by entry, in units of DDP's simulated iteration: PowerSGD r=4 the fastest (torch's
 #: the fastest of all where it is raced)
 STEP_S = {"allreduce": 1.0, "fp16": 0.6, R1: 0.45, R4: 0.3, T4: 0.2}
+#: a quality model whose limits let this MLP's r=4 and r=1 reach (the fitted slopes)
+LENIENT = dataclasses.replace(FITTED_TRAINING, limits={"sgd": 2.0, "adaptive": 2.0})
 
 
 class _StepClock:
@@ -40,7 +43,8 @@ def _plan(model, batches, **changes):
     plan = plan_online(model, batches, F.cross_entropy, _optimizer, "mlp", 16, 0.005)
     # a slow network, so compression pays: the plan's CCR as a 2 Mbit/s link would give it (on loopback the plan
     # may measure nothing: its casts' errors are measured here)
-    changes = {"joined": (), "base": "fp16", "metered": (R1, R4), **changes}
+    # the mechanics, not the fitted limits, are under test: r=4 on this MLP (0.6 of its noise) is above the SGD limit
+    changes = {"joined": (), "base": "fp16", "metered": (R1, R4), "quality": LENIENT, **changes}
     return dataclasses.replace(plan, bandwidth_mbit=2.0,
                                errors=cast_errors(model, batches[0], F.cross_entropy, ["fp16", "bf16"]), **changes)
 

@@ -38,7 +38,7 @@ from .spec import hook_algorithm
 #: The quality model's strictest limit (gradsync.profiler.quality_model.FITTED.limit(), the adaptive optimizers'; the
 #: ladder does not know the optimizer, and escalating early costs speed, not quality; the profiler sits above the
 #: algorithms, so the number is repeated here and a test keeps the two equal).
-DEFAULT_MAX_ERROR_TO_NOISE = 0.286
+DEFAULT_MAX_ERROR_TO_NOISE = 0.153
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from ..sim.plans import (AlgorithmPlan, CovapSimPlan, DeARPlan, DensePlan, FP16P
                          TopKPlan)
 from ..sim.profile import Profile, ProfileBucket, load_profile
 from ..validation import check_float, check_int
-from .quality_model import FITTED, QualityModel, error_to_noise
+from .quality_model import FITTED, RISK, SEEDS, TOLERATED_MISSES, QualityModel, error_to_noise, seeds_missing_risk
 from .profile import ccr_at
 
 __all__ = ["Advice", "Prediction", "advise", "candidates", "is_hook", "lossy", "periodic_candidates",
@@ -238,9 +238,12 @@ def _cost(entry: str, errors: Mapping[str, float], noise: float | None, world_si
         return None, f"error {e:.2f}, gradient noise not measured", None
     r = error_to_noise(e, noise, world_size)
     extra = model.extra_at(r, family)
+    p = model.miss_probability(r, family)
+    risk = "" if p is None else (f"; a seed misses with p {p:.2f}, {TOLERATED_MISSES + 1}+ of {SEEDS} with "
+                                 f"{seeds_missing_risk(p):.2f}")
     if math.isinf(extra):
-        return extra, f"error {e:.2f} = {r:.2f} x noise > {model.limit(family):.2f}: predicted to miss", source
-    return extra, f"error {e:.2f} = {r:.2f} x noise: {extra * 100:+.0f} % steps predicted", source
+        return extra, f"error {e:.2f} = {r:.2f} x noise > {model.limit(family):.2f}: predicted to miss{risk}", source
+    return extra, f"error {e:.2f} = {r:.2f} x noise: {extra * 100:+.0f} % steps predicted{risk}", source
 
 
 def _raced_lossless(best: Prediction, ddp: Prediction) -> bool:
@@ -364,7 +367,8 @@ def _notes(prof: Profile, model: QualityModel, errors: Mapping[str, float], nois
         if noise is not None:
             notes.append(f"Gradient noise on this job: one rank's gradient lies {noise:.3f} (relative) from the "
                          f"average, so the average carries {noise / math.sqrt(world_size - 1):.3f}; a setting is "
-                         f"predicted to miss above {model.limit(family):.2f} x that (optimizer family "
+                         f"predicted to miss above {model.limit(family):.2f} x that, where {TOLERATED_MISSES + 1} or more of "
+                         f"{SEEDS} seeds miss with {RISK:.0%} chance (optimizer family "
                          f"{model.family(family)}{'' if family else ', the strictest: the optimizer is not known'}).")
     else:
         notes.append("No compression error was measured on this job: lossy settings are 'not measured' and not "

@@ -69,7 +69,7 @@ from .advise import CASTS, LOW_CCR, MIN_GAIN, advise, candidates, is_hook, singl
 from .compute import device_clock
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
                     cast_errors, quality_proxy, race)
-from .quality_model import FITTED_TRAINING, optimizer_family
+from .quality_model import FITTED_TRAINING, QualityModel, optimizer_family
 
 __all__ = ["OnlinePlan", "OnlineAutoState", "online_auto_hook", "plan_online", "register_online_auto"]
 
@@ -103,6 +103,8 @@ class OnlinePlan:
         lossless_race: nothing is metered, and a 16-bit cast is predicted faster than DDP but not
             :data:`~gradsync.profiler.advise.MIN_GAIN` x (within the simulator's error): the two are raced on
             the job's steps, and the faster is chosen.
+        quality: the quality model that turns a measured error into extra steps (default
+            :data:`~gradsync.profiler.quality_model.FITTED_TRAINING`).
     """
 
     prof: Profile
@@ -118,6 +120,7 @@ class OnlinePlan:
     shortlist: int = 3
     joined: tuple = ()
     lossless_race: bool = False
+    quality: QualityModel = FITTED_TRAINING
 
     def advice(self, errors: Optional[dict] = None, noise: Optional[float] = None,
                iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True,
@@ -125,7 +128,7 @@ class OnlinePlan:
         """:func:`~gradsync.profiler.advise.advise` on the plan's profile and network (``overheads``:
         ``{entry: seconds}`` each lossy hook computes per step, added to its simulated iteration)."""
         return advise(self.prof, self.world_size, self.bandwidth_mbit, errors=errors, iterations=iterations,
-                      noise=noise, family=self.family, allowed=allowed, overheads=overheads, model=FITTED_TRAINING)
+                      noise=noise, family=self.family, allowed=allowed, overheads=overheads, model=self.quality)
 
 
 def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
