@@ -342,12 +342,15 @@ EXPERIMENTS = [
             for suffix, where, hosts, every in (("", "", "2", "26"), ("-4hosts", " on 4 hosts", "4", "13"))),
           # the online probe's out-of-sample families, each written after its rule was frozen: the TCN (torch's PowerSGD
           # raced on joined buckets, 073ad38), the S4D and the DenseNet-BC (every candidate metered on the same steps,
-          # 330a612), the SqueezeNet (the lossless race and the metering filter, eighteenth session); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's dense run short of its own target)
+          # 330a612), the SqueezeNet (the lossless race and the metering filter, eighteenth session), the VGG (the
+          # quality model's per-seed risk limit, 4bedd88); 2 epochs on 4 hosts (234 steps of 1 epoch left the GRU's
+          # dense run short of its own target)
           *((prefix + suffix, family, model, "8,60", where, hosts, "26", ONLINE_GRID, epochs, ("--auto-probe", "online"))
             for prefix, family, model in (("oos-tcn", "a temporal convolutional network (TCN) with SGD", "tcn"),
                                           ("oos-s4d", "a diagonal state-space model (S4D) with SGD", "s4d"),
                                           ("oos-densenet", "a DenseNet-BC with SGD", "densenet"),
-                                          ("oos-squeezenet", "a SqueezeNet with SGD", "squeezenet"))
+                                          ("oos-squeezenet", "a SqueezeNet with SGD", "squeezenet"),
+                                          ("oos-vgg", "a VGG-style CNN with SGD", "vgg"))
             for suffix, where, hosts, epochs in (("", "", "2", "1"), ("-4hosts", " on 4 hosts", "4", "2"))))),
     _sweep("sweep-periodic", "Results: syncing rarely, local SGD and DiLoCo against per-step compression (gradsync sweep)",
            ["--algorithms", "allreduce,fp16,powersgd:matrix_approximation_rank=8,diloco:period=16,local-sgd:period=16,"

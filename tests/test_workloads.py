@@ -141,8 +141,11 @@ def test_workload_with_model_and_defaults():
     squeezenet = get_workload("fashion-mnist", "squeezenet")
     assert (squeezenet.optimizer == "sgd" and squeezenet.defaults == base.defaults
             and squeezenet.describe()["parameters"] == 87_210)
+    vgg = get_workload("fashion-mnist", "vgg")
+    assert vgg.optimizer == "sgd" and vgg.defaults == base.defaults and vgg.describe()["parameters"] == 199_994
     for m in (vit.make_model(), gru.make_model(), mixer.make_model(), mlp.make_model(), mobilenet.make_model(),
-              lenet.make_model(), tcn.make_model(), s4d.make_model(), densenet.make_model(), squeezenet.make_model()):
+              lenet.make_model(), tcn.make_model(), s4d.make_model(), densenet.make_model(), squeezenet.make_model(),
+              vgg.make_model()):
         assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
     from gradsync.workloads.mobilenet import TinyMobileNet
 
@@ -181,6 +184,13 @@ def test_workload_with_model_and_defaults():
     assert [m.out_channels for m in fire.modules() if isinstance(m, torch.nn.Conv2d)] == [4, 2, 8, 8, 2, 8, 8, 4, 16,
                                                                                          16, 4, 16, 16, 10]
     assert fire(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    from gradsync.workloads.vgg import TinyVGG
+
+    with pytest.raises(ValueError, match="stacks must be 1 to 5 stacks"):
+        TinyVGG(stacks=((1, 8), (0, 16)))
+    plain = TinyVGG(stacks=((1, 4), (2, 8)))  # 3x3 convolutions only, a pool between stacks, no skip connection
+    assert [m.out_channels for m in plain.modules() if isinstance(m, torch.nn.Conv2d)] == [4, 8, 8]
+    assert sum(isinstance(m, torch.nn.MaxPool2d) for m in plain.modules()) == 1 and plain.head[-1].in_features == 8
     from gradsync.workloads.ssm import RowS4D, _CausalFFTConv
 
     with pytest.raises(ValueError, match="modes, layers and classes must be >= 1"):
@@ -201,7 +211,7 @@ def test_workload_with_model_and_defaults():
     assert swin.optimizer == "adamw" and swin.defaults["lr"] == 1e-3 and swin.defaults["batch_size"] == 64
     assert WORKLOADS["fashion-mnist"].model == "resnet8"  # the registry entry is unchanged
     with pytest.raises(ValueError, match="model for workload fashion-mnist must be one of resnet8, resnet8-w32, vit-tiny, "
-                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, densenet, squeezenet, resnet18"):
+                                         "gru, mixer, mlp, mobilenet, lenet, tcn, s4d, densenet, squeezenet, vgg, resnet18"):
         get_workload("fashion-mnist", "vgg11")
     with pytest.raises(ValueError, match="model for workload kjv-lstm must be one of char-lstm"):
         get_workload("kjv-lstm", "resnet18")

@@ -39,6 +39,7 @@ from .tcn import RowTCN
 from .ssm import RowS4D
 from .densenet import TinyDenseNet
 from .squeezenet import TinySqueezeNet
+from .vgg import TinyVGG
 
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -313,14 +314,16 @@ def _vision_choices() -> tuple[str, ...]:
 # (gradsync.workloads.densenet), the recipe's SGD: added (seventeenth session) as the second out-of-sample family
 # of the same frozen rule (330a612). A SqueezeNet of 87k parameters (gradsync.workloads.squeezenet), the recipe's
 # SGD: added (eighteenth session) after the online rule's lossless race and metering filter were frozen, their
-# out-of-sample family.
+# out-of-sample family. A VGG-style CNN of 200k parameters (gradsync.workloads.vgg), the recipe's SGD: added
+# (nineteenth session) after the quality model's per-seed risk limit was frozen (4bedd88), its out-of-sample family.
 _NATIVE_VISION: dict[str, Callable[[], nn.Module]] = {"resnet8-w32": lambda: ResNetFMNIST(32, (1, 1, 1)),
                                                       "vit-tiny": lambda: TinyViT(), "gru": lambda: RowGRU(),
                                                       "mixer": lambda: TinyMixer(), "mlp": lambda: MLP(),
                                                       "mobilenet": lambda: TinyMobileNet(), "lenet": lambda: LeNet(),
                                                       "tcn": lambda: RowTCN(), "s4d": lambda: RowS4D(),
                                                       "densenet": lambda: TinyDenseNet(),
-                                                      "squeezenet": lambda: TinySqueezeNet()}
+                                                      "squeezenet": lambda: TinySqueezeNet(),
+                                                      "vgg": lambda: TinyVGG()}
 
 
 _KJV_VOCAB_SIZE = 73
