@@ -319,6 +319,7 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
     ddp = next(r for r in ranked if r.entry == "allreduce")
     best = next((r for r in ranked if r.measured and r is not ddp and math.isfinite(r.time_to_quality_s)), None)
     gain = ddp.time_to_quality_s / best.time_to_quality_s if best is not None else 0.0
+    raced = best is not None and _raced_lossless(best, ddp)
     if best is None:
         choice = ddp
         reason = (f"CCR {ccr:.2f}: no other setting is predicted to reach dense quality on this job; use plain DDP "
@@ -327,11 +328,11 @@ def advise(profile: Profile | Mapping[str, Any] | str, world_size: int, bandwidt
         choice = ddp
         reason = (f"CCR {ccr:.2f} < {LOW_CCR}: a dense all-reduce takes under half the backward pass and DDP "
                   f"overlaps it with backward; use plain DDP (allreduce): compression would only add work.")
-    elif gain <= 1.0 or (gain < MIN_GAIN and not _raced_lossless(best, ddp)):
+    elif gain <= 1.0 or (gain < MIN_GAIN and not raced):
         choice = ddp
         reason = (f"CCR {ccr:.2f}: the best alternative, {best.label}, is {'measured' if best.timed else 'predicted'} "
                   f"only {gain:.2f}x faster to the same quality"
-                  + (", timed beside DDP on the job's own steps" if _raced_lossless(best, ddp)
+                  + (", timed beside DDP on the job's own steps" if raced
                      else ", within the predictions' ~10 % error") + "; use plain DDP (allreduce).")
     else:
         choice = best

@@ -173,7 +173,8 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     sim = {r.entry: r.iteration_s for r in simulated.predictions}
     casts: list[str] = []
     if simulated.ccr >= LOW_CCR:
-        metered = split_candidates(simulated, hookable)[1]
+        _, metered = split_candidates(simulated, hookable)
+        # not split_candidates' casts (worth measuring: MIN_GAIN x ahead): any cast ahead of DDP may win the race
         casts = [e for e in CASTS if hookable(e) and e in sim and sim[e] < sim["allreduce"]]
         if casts:
             errors.update(cast_errors(model, batches[0], loss_fn, casts, process_group=group))
