@@ -11,9 +11,10 @@ the inputs of
     python benchmarks/probe_quality.py --held-out --models fashion-mnist:lenet --append --seeds 0,1 --out ...
 
 ``--held-out`` measures PowerSGD r=1/2/4/8/16 on auto's earlier out-of-sample workloads instead (the GRU, the MLP-Mixer,
-the plain MLP, the MobileNetV2-, LeNet-5-, DenseNet- and SqueezeNet-style CNNs at 2 and 4 ranks): what a frozen model
-predicts for them (``benchmarks/fit_quality_model.py --held-out-costs ... --held-out-errors ...``), or, since the
-nineteenth session's fit, more rows to fit on (``--with ...``).
+the plain MLP, the MobileNetV2-, LeNet-5-, DenseNet- and SqueezeNet-style CNNs at 2 and 4 ranks), rows the
+nineteenth session's fit reads (``--with ...``), and the VGG-style CNN, held out from that fit
+(``--out benchmarks/data/probe_errors_out_of_sample[_training].json``): what the frozen model predicts for it
+(``benchmarks/fit_quality_model.py --held-out-costs ... --held-out-errors ...``).
 ``--models`` keeps only the named ones; ``--append`` keeps the jobs ``--out`` already holds for other models, world
 sizes or seeds (the file's ``commands`` lists every command that wrote it).
 
@@ -36,10 +37,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
-#: auto's earlier out-of-sample workloads (the ViT was one until its rows entered the fit, seventh session; these
+#: auto's out-of-sample workloads (the ViT was one until its rows entered the fit, seventh session; all but the VGG
 #: entered it in the nineteenth)
 HELD_OUT = ("fashion-mnist:gru", "fashion-mnist:mixer", "fashion-mnist:mlp", "fashion-mnist:mobilenet",
-            "fashion-mnist:lenet", "fashion-mnist:densenet", "fashion-mnist:squeezenet")
+            "fashion-mnist:lenet", "fashion-mnist:densenet", "fashion-mnist:squeezenet", "fashion-mnist:vgg")
 
 
 def main(argv: list[str] | None = None) -> None:
