@@ -62,7 +62,8 @@ def points(costs_path: str, errors_path: str, skip_unmeasured: bool = False):
         if r.get("per_seed_steps") is not None:
             seeds = tuple(s is None for s in r["per_seed_steps"])
         else:  # copied from docs/results.md: only how many seeds reached
-            seeds = (False,) * r.get("seeds_reached", 0) + (True,) * (r["seeds"] - r.get("seeds_reached", 0))
+            reached = r.get("seeds_reached", 0)
+            seeds = (False,) * reached + (True,) * (r["seeds"] - reached)
         out.append(QualityPoint(statistics.mean(measured[key]), statistics.mean(noise[key[:2]]), r["world_size"],
                                 extra, f"{r['model']} x{r['world_size']}", r["optimizer"], r["entry"], seeds))
     return out
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from gradsync.profiler.quality_model import cross_validate, fit
 
-    pts = points(args.costs, args.errors) + [q for c, e in args.also for q in points(c, e, skip_unmeasured=True)]
+    pts = fit_points(args.costs, args.errors, args.also)
     print(f"{'workload':<40} {'entry':<58} {'error':>6} {'noise':>6} {'ratio':>6} {'extra':>7}")
     for q in sorted(pts, key=lambda q: (q.workload, q.error)):
         extra = "miss" if math.isinf(q.extra) else f"{q.extra:+.3f}"
@@ -99,23 +100,26 @@ def main(argv: list[str] | None = None) -> None:
 
 def predict_held_out(model, pts) -> None:
     """Print ``model``'s prediction for each held-out point beside its outcome, and the count called wrong."""
-    from gradsync.profiler.quality_model import optimizer_family
+    from gradsync.profiler.quality_model import optimizer_family, score
 
-    wrong, accepted_missed, abs_err = 0, 0, []
+    scored = score(model, pts)
     for q in sorted(pts, key=lambda q: (q.workload, q.error)):
         pred = model.extra_steps(q.error, q.noise, q.world_size, optimizer_family(q.optimizer))
-        bad = math.isfinite(pred) == q.missed
-        wrong += bad
-        accepted_missed += bad and q.missed
-        if not bad and math.isfinite(pred) and math.isfinite(q.extra):
-            abs_err.append(abs(pred - q.extra))
         shown = ["miss" if math.isinf(v) else f"{v:+.3f}" for v in (pred, q.extra)]
         print(f"  out of sample: {q.workload:<28} {q.entry:<52} ratio {q.ratio:6.3f} predicted {shown[0]:>7} "
-              f"measured {shown[1]:>7} ({sum(q.outcomes)}/{len(q.outcomes)} seeds missed){'  WRONG' if bad else ''}")
-    mae = sum(abs_err) / len(abs_err) if abs_err else 0.0
-    print(f"out of sample: {wrong} of {len(pts)} points misclassified (accepted/missed; {accepted_missed} of them "
-          f"predicted to reach and missed); mean absolute error of the "
+              f"measured {shown[1]:>7} ({sum(q.outcomes)}/{len(q.outcomes)} seeds missed)"
+              f"{'  WRONG' if q in scored['wrong'] else ''}")
+    errors = scored["abs_errors"]
+    mae = sum(errors) / len(errors) if errors else 0.0
+    print(f"out of sample: {scored['misclassified']} of {scored['points']} points misclassified (accepted/missed; "
+          f"{scored['accepted_missed']} of them predicted to reach and missed); mean absolute error of the "
           f"extra-steps fraction {mae:.3f}")
+
+
+def fit_points(costs: str, errors: str, also: list[tuple[str, str]] = ()):
+    """The fit's points: ``costs`` with ``errors``, and each ``(costs, errors)`` pair of ``also`` (rows whose
+    setting the probe measured, :func:`points` ``skip_unmeasured``)."""
+    return points(costs, errors) + [q for c, e in also for q in points(c, e, skip_unmeasured=True)]
 
 
 if __name__ == "__main__":

@@ -418,11 +418,10 @@ def test_the_fitted_constants_are_the_fit_of_the_committed_data():
     finally:
         sys.path.remove(str(data))
     for suffix, model in (("", FITTED), ("_training", FITTED_TRAINING)):
-        got = fit(fit_quality_model.points(str(data / "data" / "accuracy_costs.json"),
-                                           str(data / "data" / f"probe_errors{suffix}.json"))
-                  + fit_quality_model.points(str(data / "data" / "accuracy_costs_held_out.json"),
-                                             str(data / "data" / f"probe_errors_held_out{suffix}.json"),
-                                             skip_unmeasured=True))
+        got = fit(fit_quality_model.fit_points(
+            str(data / "data" / "accuracy_costs.json"), str(data / "data" / f"probe_errors{suffix}.json"),
+            [(str(data / "data" / "accuracy_costs_held_out.json"),
+              str(data / "data" / f"probe_errors_held_out{suffix}.json"))]))
         assert got.limits == pytest.approx(model.limits, abs=5e-4), suffix
         assert got.slopes == pytest.approx(model.slopes, abs=5e-4), suffix
         for family in model.miss:

@@ -59,7 +59,7 @@ import torch
 from ..algorithms.meter import error_to_noise
 
 __all__ = ["QualityModel", "QualityPoint", "FAMILIES", "optimizer_family", "unwrap_optimizer", "error_to_noise", "fit",
-           "cross_validate", "seeds_missing_risk", "SEEDS", "TOLERATED_MISSES", "RISK", "FITTED", "FITTED_TRAINING"]
+           "cross_validate", "score", "seeds_missing_risk", "SEEDS", "TOLERATED_MISSES", "RISK", "FITTED", "FITTED_TRAINING"]
 
 #: A setting is accepted when it misses the target on at most TOLERATED_MISSES of SEEDS seeds (the project's rule:
 #: time to quality over 5 seeds); :func:`fit` puts each limit where the chance of more misses reaches RISK.
@@ -97,9 +97,7 @@ class QualityPoint:
     def missed(self) -> bool:
         """The point fails the acceptance: more than :data:`TOLERATED_MISSES` of its seeds missed (scaled to
         :data:`SEEDS`), or, without per-seed outcomes, ``extra`` infinite."""
-        if not self.seeds_missed:
-            return math.isinf(self.extra)
-        return sum(self.seeds_missed) * SEEDS > TOLERATED_MISSES * len(self.seeds_missed)
+        return sum(self.outcomes) * SEEDS > TOLERATED_MISSES * len(self.outcomes)
 
 
 #: The optimizer families the model tells apart (:func:`optimizer_family`).
@@ -242,17 +240,25 @@ def _miss_logit(points: Sequence[QualityPoint]) -> tuple[float, float]:
     return a, b
 
 
-def _risk_limit(a: float, b: float, points: Sequence[QualityPoint]) -> float:
-    """The ratio where :func:`seeds_missing_risk` of ``sigmoid(a + b r)`` reaches :data:`RISK` (0 where even
-    ``r = 0`` is past it; with no rise of the misses with ``r``, 1.25 x the largest ratio measured)."""
-    lo, hi = 0.0, 1.0  # the per-seed probability at RISK, by bisection (the tail rises with p)
+def _logit_at_risk() -> float:
+    """The logit of the per-seed miss probability at which :func:`seeds_missing_risk` reaches :data:`RISK`
+    (bisection: the tail rises with the probability)."""
+    lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if seeds_missing_risk(mid) < RISK else (lo, mid)
-    logit = math.log(lo / (1 - lo))
+    return math.log(lo / (1 - lo))
+
+
+_LOGIT_AT_RISK = _logit_at_risk()
+
+
+def _risk_limit(a: float, b: float, points: Sequence[QualityPoint]) -> float:
+    """The ratio where :func:`seeds_missing_risk` of ``sigmoid(a + b r)`` reaches :data:`RISK` (0 where even
+    ``r = 0`` is past it; with no rise of the misses with ``r``, 1.25 x the largest ratio measured)."""
     if b <= 0:
-        return 0.0 if a >= logit else 1.25 * max((p.ratio for p in points), default=0.8) or 1.0
-    return max(0.0, (logit - a) / b)
+        return 0.0 if a >= _LOGIT_AT_RISK else 1.25 * max((p.ratio for p in points), default=0.8) or 1.0
+    return max(0.0, (_LOGIT_AT_RISK - a) / b)
 
 
 def _slope(points: Sequence[QualityPoint]) -> float:
@@ -278,30 +284,44 @@ def fit(points: Iterable[QualityPoint]) -> QualityModel:
                         {f: _slope(v) for f, v in by_family.items()}, miss=miss)
 
 
-def cross_validate(points: Iterable[QualityPoint]) -> dict[str, float]:
-    """Leave-one-workload-out: for each workload, :func:`fit` on the others and predict its points.
+def score(model: QualityModel, points: Iterable[QualityPoint]) -> dict[str, Any]:
+    """``model``'s predictions for ``points`` against their outcomes.
 
     Returns:
         ``{"points", "misclassified" (accepted or missed, :attr:`QualityPoint.missed`, predicted wrong), "wrong" (those
         points), "accepted_missed" (of those, the points predicted to reach that missed: the errors that cost a
-        job its target; the others cost it speed), "mae_extra" (mean absolute error of the extra-steps fraction over held-out points that reached and
-        were predicted to),
-        "workloads"}``.
+        job its target; the others cost it speed), "abs_errors" (absolute errors of the extra-steps fraction over
+        the points that reached and were predicted to)}``.
+    """
+    pts = list(points)
+    wrong, abs_errors = [], []
+    for p in pts:
+        pred = model.extra_steps(p.error, p.noise, p.world_size, optimizer_family(p.optimizer))
+        if math.isfinite(pred) == p.missed:
+            wrong.append(p)
+        elif math.isfinite(pred) and math.isfinite(p.extra):
+            abs_errors.append(abs(pred - p.extra))
+    return {"points": len(pts), "misclassified": len(wrong), "wrong": wrong,
+            "accepted_missed": sum(p.missed for p in wrong), "abs_errors": abs_errors}
+
+
+def cross_validate(points: Iterable[QualityPoint]) -> dict[str, Any]:
+    """Leave-one-workload-out: for each workload, :func:`fit` on the others and :func:`score` its points.
+
+    Returns:
+        :func:`score`'s keys over every held-out point (``abs_errors`` as ``"mae_extra"``, their mean), and
+        ``"workloads"``.
     """
     pts = list(points)
     workloads = sorted({p.workload for p in pts})
-    wrong, abs_err = [], []
+    wrong, abs_errors = [], []
     for w in workloads:
-        model = fit([p for p in pts if p.workload != w])
-        for p in (p for p in pts if p.workload == w):
-            pred = model.extra_steps(p.error, p.noise, p.world_size, optimizer_family(p.optimizer))
-            if math.isfinite(pred) == p.missed:
-                wrong.append(p)
-            elif math.isfinite(pred) and math.isfinite(p.extra):
-                abs_err.append(abs(pred - p.extra))
+        held = score(fit([p for p in pts if p.workload != w]), [p for p in pts if p.workload == w])
+        wrong += held["wrong"]
+        abs_errors += held["abs_errors"]
     return {"points": len(pts), "workloads": len(workloads), "misclassified": len(wrong), "wrong": wrong,
             "accepted_missed": sum(p.missed for p in wrong),
-            "mae_extra": sum(abs_err) / len(abs_err) if abs_err else 0.0}
+            "mae_extra": sum(abs_errors) / len(abs_errors) if abs_errors else 0.0}
 
 
 #: Fitted by ``python benchmarks/fit_quality_model.py --with benchmarks/data/accuracy_costs_held_out.json
