@@ -9,13 +9,21 @@ from pathlib import Path
 from gradsync.profiler.quality_model import QualityPoint
 
 _bench = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(_bench))
-try:
-    _spec = importlib.util.spec_from_file_location("outcome_noise", _bench / "outcome_noise.py")
-    outcome_noise = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(outcome_noise)
-finally:
-    sys.path.remove(str(_bench))
+
+
+def _script(name: str):
+    """benchmarks/NAME.py as a module (its own imports of fit_quality_model resolve beside it)."""
+    sys.path.insert(0, str(_bench))
+    try:
+        spec = importlib.util.spec_from_file_location(name, _bench / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(_bench))
+    return module
+
+
+outcome_noise = _script("outcome_noise")
 
 T, O = "powersgd:matrix_approximation_rank=", "powersgd-overlap:matrix_approximation_rank="
 
@@ -47,13 +55,7 @@ def test_best_cut_and_crossings():
 
 def test_quality_signals_jobs_cover_every_plain_powersgd_row():
     """benchmarks/quality_signals.py measures each (model, world size, rank) of a PowerSGD row without a dense tail."""
-    sys.path.insert(0, str(_bench))
-    try:
-        spec = importlib.util.spec_from_file_location("quality_signals", _bench / "quality_signals.py")
-        qs = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(qs)
-    finally:
-        sys.path.remove(str(_bench))
+    qs = _script("quality_signals")
     assert qs.powersgd_rank(T + "4") == 4 and qs.powersgd_rank(O + "16") == 16
     assert qs.powersgd_rank(T + "4:dense_from=700") is None and qs.powersgd_rank("fp16") is None
     jobs = qs.jobs_from_data()
