@@ -94,3 +94,25 @@ def test_bad_options():
         rungs("powersgd/matrix_approximation_rank=4")
     with pytest.raises(ValueError, match="check_every"):
         build_hook("ladder", check_every=0)
+
+
+def test_a_window_measures_consecutive_steps_and_decides_once_after_them():
+    # check_every 4, window 3: iterations 4-6 and 8-10 are measured, each window decided once after its last step
+    out = run_ranks(_train, 2, "ladder", {"start": "powersgd-overlap/matrix_approximation_rank=4", "check_every": 4,
+                                          "window": 3, "max_error_to_noise": 0.01}, timeout=180)
+    (_, rungs0, _, switches0, fresh0), (_, rungs1, _, switches1, _) = out
+    assert rungs0 == rungs1 and switches0 == switches1 and fresh0["config"]["window"] == 3
+    # the first window (4-6) is decided at 7's first bucket: r=4 -> 8; r=8's window 8-10 starts in PowerSGD's dense
+    # start (error 0 on its first 2 steps) but its third step compresses: decided at 11, -> 16
+    assert [(s["iteration"], s["to"]) for s in switches0] == [(7, "powersgd-overlap:matrix_approximation_rank=8"),
+                                                             (11, "powersgd-overlap:matrix_approximation_rank=16")]
+    from gradsync.algorithms.ladder import LadderState
+
+    state = LadderState("powersgd-overlap:matrix_approximation_rank=4", check_every=10, window=3)
+    assert [i for i in range(35) if state.checks(i)] == [10, 11, 12, 20, 21, 22, 30, 31, 32]
+    with pytest.raises(ValueError, match="window"):
+        LadderState("powersgd-overlap:matrix_approximation_rank=4", check_every=4, window=5)
+    from gradsync.algorithms import build_hook
+
+    with pytest.raises(ValueError, match="ladder.window must be an integer in \\[1, check_every=4\\]"):
+        build_hook("ladder", check_every=4, window=5)

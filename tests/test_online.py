@@ -259,3 +259,59 @@ def test_a_cast_within_the_simulators_error_of_ddp_is_raced_beside_it_and_the_fa
     assert (choice, stages, raced, ran) == other
     assert stages == [] and raced == ["allreduce", "fp16"] and choice == "fp16", (stages, raced, choice)
     assert ran[:START_STEPS] == ["allreduce"] * START_STEPS and ran[-1] == "fp16"
+
+
+R8 = "powersgd-overlap:matrix_approximation_rank=8"
+
+
+def _rechecked(rank, world):
+    from gradsync.profiler.online import OnlineAutoState
+
+    model, batches = _job(rank)
+    plan = _plan(model, batches, recheck_every=12)
+    clock = _StepClock(next(r.iteration_s for r in plan.advice().predictions if r.entry == "allreduce"))
+    state = OnlineAutoState(plan, model, clock=clock)
+    job = _Job(state, model, batches)
+    while state.phase != "settled":
+        job.train(1, clock)
+    settled_at, ladder = state.iteration, state.ladder
+    wire = state.stats()["wire_bytes"]
+    # windows of QUALITY_STEPS steps from every multiple of 12 of the job's iterations, each decided after its last
+    # step; under the lenient limit r=4 (about 0.6 of the noise) passes the next two
+    first = -(-(settled_at + 1) // 12) * 12
+    job.train(first + 12 + QUALITY_STEPS + 1 - state.iteration)
+    lenient = (list(ladder.switches), state.current, state.stats()["wire_bytes"] > wire)
+    ladder.max_error_to_noise = 0.01  # the test's stand-in for a quality that degraded
+    ran = job.train(12)
+    checkpoint = state.state_dict()
+    resumed = OnlineAutoState(plan, model, clock=_StepClock())
+    resumed.load_state_dict(checkpoint)
+    return {"choice": state.choice, "strict_window": first + 24, "lenient": lenient, "ran": ran,
+            "switches": state.ladder.switches, "stats": {k: state.stats()[k] for k in ("auto_rung", "auto_switches")},
+            "summary": state.summary()["auto_switches"], "window": ladder.window, "every": ladder.check_every,
+            "resumed": (resumed.current, resumed.ladder.current, len(resumed.ladder.switches), resumed.ladder.check_every)}
+
+
+def test_a_settled_lossy_choice_is_rechecked_and_escalates_alike_on_every_rank():
+    r0, r1 = run_ranks(_rechecked, 2, timeout=240)
+    assert r0["switches"] == r1["switches"] and r0["ran"] == r1["ran"]
+    assert r0["choice"] == R4 and (r0["every"], r0["window"]) == (12, QUALITY_STEPS)
+    # the settled r=4 keeps its own state under the ladder; its checks cost reference traffic but pass the limit
+    assert r0["lenient"] == ([], R4, True)
+    # the next window, past the limit: r=4 hands over to r=8 at the first bucket after it
+    [switch] = r0["switches"]
+    assert switch["from"] == R4 and switch["to"] == R8 and switch["ratio"] > 0.01
+    assert switch["iteration"] == r0["strict_window"] + QUALITY_STEPS
+    assert r0["ran"][-1] == R8 and r0["stats"] == {"auto_rung": R8, "auto_switches": 1} and r0["summary"] == [switch]
+    assert r0["resumed"] == (R8, R8, 1, 12), "a checkpoint resumes the rung, its history and the re-check period"
+
+
+def test_recheck_needs_the_online_probe():
+    import pytest
+
+    from gradsync.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="auto_recheck_every 50 needs auto_probe 'online'"):
+        TrainConfig(algorithm="auto", auto_recheck_every=50)
+    with pytest.raises(ValueError, match="auto_recheck_every"):
+        TrainConfig(algorithm="auto", auto_probe="online", auto_recheck_every=-1)

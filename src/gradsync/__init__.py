@@ -26,16 +26,24 @@ The profiler sits above algorithms (it measures one), so algorithms take DDP's b
 __version__ = "0.1.0"
 
 
-def register_auto(ddp, optimizer, batches, loss_fn, job_steps=None, online=False):
+def register_auto(ddp, optimizer, batches, loss_fn, job_steps=None, online=False, recheck_every=0):
     """``--algorithm auto`` in a torchrun script: measure, choose and register the hook on ``ddp``
     (:func:`gradsync.profiler.auto.register_auto`, which documents the arguments, returns and errors).
     With ``online=True`` the choice is made on the job's own first steps instead of copies of the model
     (:func:`gradsync.profiler.online.register_online_auto`): returns ``(state, None)``; ``state.choice`` names
-    the setting once ``state.phase == "settled"``."""
+    the setting once ``state.phase == "settled"``; ``recheck_every`` > 0 then re-checks a lossy choice every that many
+    steps and escalates it where its quality degrades (:attr:`gradsync.profiler.online.OnlinePlan.recheck_every`).
+
+    Raises:
+        ValueError: as the functions above; for ``recheck_every`` > 0 without ``online``.
+    """
+    if recheck_every and not online:
+        raise ValueError(f"recheck_every needs online=True (the choice made on the job's own steps); got "
+                         f"recheck_every={recheck_every}")
     if online:
         from .profiler.online import register_online_auto
 
-        return register_online_auto(ddp, optimizer, batches, loss_fn, job_steps), None
+        return register_online_auto(ddp, optimizer, batches, loss_fn, job_steps, recheck_every), None
     from .profiler.auto import register_auto as _register_auto
 
     return _register_auto(ddp, optimizer, batches, loss_fn, job_steps)

@@ -4,12 +4,14 @@ compression gain falls below a threshold).
 
 The ``ladder`` hook runs one rung at a time, starting at ``start``: PowerSGD (overlapped with backward)
 at rank r, then 2r, ... up to 16, then the fp16 cast, then dense all-reduce; any other start goes to
-fp16, then dense. Every ``check_every`` iterations one step runs under a
+fp16, then dense. Every ``check_every`` iterations ``window`` consecutive steps (one by default) run under a
 :class:`~gradsync.algorithms.meter.QualityMeter`: the buckets are also all-reduced densely, and the
 relative error of the rung's aggregate against the dense one (on ``reference_fraction`` of each gradient
-tensor's elements, the same on every rank), with the gradient noise of the same step
-(each rank's own gradient against the dense average), is all-reduced at the next step's first bucket, so
-every rank takes the same decision. Where the error exceeds ``max_error_to_noise`` times the average's
+tensor's elements, the same on every rank), with the gradient noise of the same steps
+(each rank's own gradient against the dense average), is all-reduced at the first bucket after the window, so
+every rank takes the same decision. ``--algorithm auto --auto-probe online`` with ``--auto-recheck-every`` hands
+its settled choice to a ladder that starts on the chosen hook's own state
+(:class:`~gradsync.profiler.online.OnlineAutoState`). Where the error exceeds ``max_error_to_noise`` times the average's
 noise (:func:`~gradsync.algorithms.meter.error_to_noise`, the unit of the start-up quality model,
 :mod:`gradsync.profiler.quality_model`) the next rung takes over from that step on (its error-feedback
 residual starts at zero). This replaces a dense tail fixed in advance with
@@ -55,6 +57,13 @@ class LadderOptions(Options):
     reference_fraction: float = option(
         REFERENCE_FRACTION, "share of each gradient tensor's elements a check all-reduces densely and compares "
         "(the start-up probe's)", low=0.0, high=1.0, low_open=True)
+    window: int = option(1, "consecutive steps each check measures (at most check_every)", low=1, high=1_000_000,
+                         units="iterations")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.window > self.check_every:
+            raise ValueError(f"ladder.window must be an integer in [1, check_every={self.check_every}], got {self.window}")
 
 
 def rungs(start: str) -> list[str]:
@@ -93,21 +102,26 @@ class LadderState(HookState):
     """State of :func:`ladder_hook`.
 
     Args:
-        start, check_every, max_error_to_noise, reference_fraction: see :class:`LadderOptions`.
+        start, check_every, max_error_to_noise, reference_fraction, window: see :class:`LadderOptions`.
         model: the module DDP wraps (passed to each rung's builder).
         process_group: the group of every collective.
         seed: the rungs' seed.
+        first: ``(state, hook)`` of ``start`` already training the job, to run as the first rung (it keeps its
+            error feedback and factors); None: a new one is built.
 
     Raises:
-        ValueError: for a bad ``start`` (see :func:`rungs`).
+        ValueError: for a bad ``start`` (see :func:`rungs`), or ``window`` outside [1, ``check_every``].
     """
 
     def __init__(self, start: str, check_every: int = 50, max_error_to_noise: float = DEFAULT_MAX_ERROR_TO_NOISE,
                  reference_fraction: float = REFERENCE_FRACTION, model: Any = None,
-                 process_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
+                 process_group: Optional[dist.ProcessGroup] = None, seed: int = 0, window: int = 1,
+                 first: Optional[tuple] = None):
         super().__init__(process_group)
         self.rungs = rungs(start)
-        self.check_every, self.max_error_to_noise = check_every, max_error_to_noise
+        if not 1 <= window <= check_every:
+            raise ValueError(f"window must be in [1, check_every={check_every}]; got {window}")
+        self.check_every, self.max_error_to_noise, self.window = check_every, max_error_to_noise, window
         self.model, self.seed = model, seed
         self.index = 0
         self.switches: list[dict[str, Any]] = []
@@ -116,8 +130,8 @@ class LadderState(HookState):
         self.last_noise: Optional[float] = None
         self._pending_check = False
         self._in_step = False
-        self.meter = QualityMeter(self._meter_hooks(0), primary=0, process_group=process_group,
-                                  sample_fraction=reference_fraction, seed=seed)
+        self.meter = QualityMeter([first, LOCAL_GRADIENT] if first is not None else self._meter_hooks(0), primary=0,
+                                  process_group=process_group, sample_fraction=reference_fraction, seed=seed)
 
     def _meter_hooks(self, index: int) -> list:
         """The meter's hooks at rung ``index``: the rung's (the primary) and the rank's own gradient (the
@@ -127,6 +141,11 @@ class LadderState(HookState):
         name, options = parse_entry(self.rungs[index])
         ctx = BuildContext(model=self.model, make_optimizer=None, process_group=self.process_group, seed=self.seed)
         return [REGISTRY[name].make_hook(make_options(name, options), ctx), LOCAL_GRADIENT]
+
+    def checks(self, iteration: int) -> bool:
+        """Whether ``iteration`` is measured: the first ``window`` of every ``check_every`` iterations, from
+        ``check_every`` on."""
+        return iteration >= self.check_every and iteration % self.check_every < self.window
 
     @property
     def current(self) -> str:
@@ -182,7 +201,8 @@ class LadderState(HookState):
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": "ladder", "rungs": list(self.rungs), "check_every": self.check_every,
-                "max_error_to_noise": self.max_error_to_noise, "reference_fraction": self.meter.sample_fraction}
+                "max_error_to_noise": self.max_error_to_noise, "reference_fraction": self.meter.sample_fraction,
+                "window": self.window}
 
     def state_dict(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "index": self.index, "switches": list(self.switches),
@@ -218,20 +238,21 @@ class LadderState(HookState):
 
 
 def ladder_hook(state: LadderState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The current rung's hook on ``bucket``; on a check iteration (every ``check_every``-th) under the
-    quality meter (one more dense all-reduce of the bucket); at the first bucket after a check, the
-    decision (one all-reduce of two float64 numbers)."""
+    """The current rung's hook on ``bucket``; on a checked iteration (:meth:`LadderState.checks`) under the
+    quality meter (one more dense all-reduce of a sample of the bucket); at the first bucket after a check's
+    last step, the decision (one all-reduce of four float64 numbers)."""
     if not state._in_step:
         state._in_step = True
         if state._pending_check:
             state._pending_check = False
             state._decide()
-        state.meter.on = state.iteration > 0 and state.iteration % state.check_every == 0
+        state.meter.on = state.checks(state.iteration)
     fut = metered_hook(state.meter, bucket)
     state.end_bucket_of(bucket.buffer(), bucket.is_last())
     if bucket.is_last():
         state._in_step = False
-        state._pending_check = state.meter.on
+        # the iteration counter has moved on: the check ends when the next iteration is not measured
+        state._pending_check = state.meter.on and not state.checks(state.iteration)
     return fut
 
 
@@ -241,7 +262,8 @@ SPEC = hook_algorithm(
     "2023, arXiv 2305.12201)",
     LadderOptions,
     lambda opts, ctx: (LadderState(opts.start, opts.check_every, opts.max_error_to_noise, opts.reference_fraction,
-                                   model=ctx.model, process_group=ctx.process_group, seed=ctx.seed), ladder_hook))
+                                   model=ctx.model, process_group=ctx.process_group, seed=ctx.seed,
+                                   window=opts.window), ladder_hook))
 
 #: the algorithms this module registers
 SPECS = (SPEC,)

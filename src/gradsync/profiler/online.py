@@ -37,7 +37,15 @@ the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
    and DDP are raced alone, right after the start;
 4. **settled**: the least timed iteration x (1 + predicted extra steps)
    (:func:`~gradsync.profiler.advise.advise`, as the start-up probe chooses) trains the rest of the job;
-   the winner keeps the state it raced with.
+   the winner keeps the state it raced with;
+5. **re-checked** (opt-in, :attr:`OnlinePlan.recheck_every` > 0; issue 31's item 2, GraVAC's controller, Tyagi &
+   Sharma 2023, arXiv 2305.12201, §3.3): a lossy choice that works on any bucket layout trains on under a
+   :class:`~gradsync.algorithms.ladder.LadderState` that starts on the chosen hook's own state: from every job
+   iteration that is a multiple of ``recheck_every`` its error is metered for
+   :data:`~gradsync.profiler.probe.QUALITY_STEPS` steps as in phase 2, and where the all-reduced error-to-noise ratio exceeds the quality model's limit for the optimizer family (the
+   one the choice was made under) the next rung takes over (PowerSGD rank x 2 up to 16, fp16, DDP). Off by default:
+   the limit was fitted on errors of a job's first steps, and later in the recipes measured the ratio sat 0-25 %
+   above its first-steps value (docs/results.md, twentieth session) without a model of what that costs.
 
 Every decision is taken at the first bucket of an iteration from all-reduced numbers (one all-reduce
 from the hook body), so every rank runs the same hooks. The probe's cost is what its steps took beyond
@@ -61,9 +69,11 @@ import torch.distributed as dist
 
 from ..algorithms.base import HookState, compression_ratio
 from ..algorithms.joined import joined_hook
+from ..algorithms.ladder import LadderState, ladder_hook
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
 from ..comm.collectives import collective_device, max_over_ranks
 from ..options import AUTO_ONLINE
+from ..validation import check_int
 from ..sim.profile import Profile
 from .advise import CASTS, LOW_CCR, MIN_GAIN, advise, candidates, is_hook, single_bucket
 from .compute import device_clock
@@ -105,6 +115,7 @@ class OnlinePlan:
             the job's steps, and the faster is chosen.
         quality: the quality model that turns a measured error into extra steps (default
             :data:`~gradsync.profiler.quality_model.FITTED_TRAINING`).
+        recheck_every: steps between re-checks of a settled lossy choice (module docstring, phase 5); 0: never.
     """
 
     prof: Profile
@@ -121,6 +132,7 @@ class OnlinePlan:
     joined: tuple = ()
     lossless_race: bool = False
     quality: QualityModel = FITTED_TRAINING
+    recheck_every: int = 0
 
     def advice(self, errors: Optional[dict] = None, noise: Optional[float] = None,
                iterations: Optional[dict] = None, allowed: Callable[[str], bool] = lambda e: True,
@@ -134,7 +146,7 @@ class OnlinePlan:
 def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                 make_optimizer: Callable, workload: str, batch_size: int, bucket_cap_mb: float,
                 allowed: Callable[[str], bool] = lambda entry: True, group: Any = None,
-                job_steps: Optional[int] = None, shortlist: int = 3) -> OnlinePlan:
+                job_steps: Optional[int] = None, shortlist: int = 3, recheck_every: int = 0) -> OnlinePlan:
     """Collective (every rank, its own batches): the measurements :class:`OnlineAutoState` needs before
     the job's first step: the compute profile and the dense all-reduce time (MAX over ranks,
     :func:`~gradsync.profiler.auto.measure_start`) and the 16-bit casts' errors
@@ -147,15 +159,18 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     ``job_steps`` (the job's optimizer steps, or None: no budget) sets the probe's budget as
     :func:`~gradsync.profiler.auto.decide` does (:data:`~gradsync.profiler.auto.PROBE_SHARE` of the job at
     the fastest lossless setting), of which each metered stage and the race spend what is left
-    (:meth:`OnlineAutoState._meter_stage`, :meth:`OnlineAutoState._race_step`).
+    (:meth:`OnlineAutoState._meter_stage`, :meth:`OnlineAutoState._race_step`). ``recheck_every``: see
+    :attr:`OnlinePlan.recheck_every`.
 
     Raises:
-        ValueError: for empty ``batches``, a world size < 2 or ``job_steps`` < 1.
+        ValueError: for empty ``batches``, a world size < 2, ``job_steps`` < 1 or ``recheck_every`` outside
+            [0, 1000000].
     """
     from .auto import _probe_budget, _untimed_cast, effective_bandwidth_mbit, measure_start, split_candidates
 
     if not batches:
         raise ValueError("batches must hold at least one (inputs, targets) batch")
+    recheck_every = check_int("recheck_every", recheck_every, 0, 1_000_000)
     if dist.get_world_size(group) < 2:
         raise ValueError(f"world size must be >= 2 for algorithm 'auto'; got {dist.get_world_size(group)}")
     hookable = lambda e: allowed(e) and is_hook(e, any_buckets=True)  # noqa: E731
@@ -187,7 +202,7 @@ def plan_online(model: torch.nn.Module, batches: Sequence[tuple[torch.Tensor, to
     joined = tuple(e for e, _, _ in candidates() if allowed(e) and is_hook(e) and single_bucket(e)
                    and quality_proxy(e) in metered)
     return OnlinePlan(prof, world, bandwidth, base, tuple(metered), errors, family, budget, setup, phases, shortlist,
-                      joined, lossless_race)
+                      joined, lossless_race, recheck_every=recheck_every)
 
 
 def faster_than_lossless(entries: Sequence[str], sim: dict, casts: Sequence[str]) -> list[str]:
@@ -248,6 +263,8 @@ class OnlineAutoState(HookState):
         overheads: ``{entry: seconds}`` each metered candidate computed per step (its hook's
             ``compress_seconds``; MAX over ranks), added to its simulated iteration.
         step_seconds: ``[(entry, seconds)]`` of every timed probe step (metered and raced), this rank's.
+        ladder: the :class:`~gradsync.algorithms.ladder.LadderState` re-checking the settled choice (phase 5), else
+            None; once it escalated, :attr:`current` is its rung.
     """
 
     def __init__(self, plan: OnlinePlan, model: torch.nn.Module, process_group: Any = None, seed: int = 0,
@@ -265,6 +282,7 @@ class OnlineAutoState(HookState):
         self.step_seconds: list[tuple[str, float]] = []
         self.choice: Optional[str] = None
         self.reason = ""
+        self.ladder: Optional[LadderState] = None
         self.meter = QualityMeter([], primary=0, process_group=process_group, sample_fraction=REFERENCE_FRACTION,
                                   seed=seed)
         self._in_step = False
@@ -465,6 +483,24 @@ class OnlineAutoState(HookState):
                 del self.hooks[e]
         if not dist.is_initialized() or dist.get_rank(self.process_group) == 0:
             print(f"auto (online): iteration {self.iteration}: {entry}: {reason}", flush=True)
+        if self.plan.recheck_every and self._rechecked(entry):
+            self._start_ladder(entry)
+
+    @staticmethod
+    def _rechecked(entry: str) -> bool:
+        """Whether a settled ``entry`` is re-checked: a lossy hook that works on any bucket layout."""
+        return entry != "allreduce" and entry not in CASTS and is_hook(entry, any_buckets=True)
+
+    def _start_ladder(self, entry: str, check_every: Optional[int] = None) -> None:
+        """Hand the settled ``entry``'s hook, with its state, to a ladder (phase 5) that owns it from now on."""
+        pair = self.hooks.pop(entry)
+        self.spent.remove(pair)  # the ladder's stats count it
+        every = check_every or self.plan.recheck_every
+        self.ladder = LadderState(entry, check_every=every, max_error_to_noise=self.plan.quality.limit(self.plan.family),
+                                  reference_fraction=REFERENCE_FRACTION, model=self.model,
+                                  process_group=self.process_group, seed=self.seed,
+                                  window=min(QUALITY_STEPS, every), first=pair)
+        self.ladder.iteration = self.iteration  # its checks and switches count the job's iterations
 
     # -- what it cost ---------------------------------------------------------------------------
     def probe_excess_seconds(self, settled_step_s: float) -> float:
@@ -474,7 +510,10 @@ class OnlineAutoState(HookState):
 
     # -- the protocol ----------------------------------------------------------------------------
     def observe_step(self, seconds: float, samples: int) -> dict[str, float]:
-        return {"auto_phase": float(("start", "meter", "race", "settled").index(self.phase))}
+        out = {"auto_phase": float(("start", "meter", "race", "settled").index(self.phase))}
+        if self.ladder is not None:
+            out.update(self.ladder.observe_step(seconds, samples))
+        return out
 
     def stats(self) -> dict[str, Any]:
         out = dict(super().stats())
@@ -483,6 +522,11 @@ class OnlineAutoState(HookState):
                 if key in _COUNTERS:
                     out[key] = out[key] + value
         out["wire_bytes"] += self.meter.dense_wire_bytes
+        if self.ladder is not None:  # its rungs, its checks' references and decisions
+            rechecked = self.ladder.stats()
+            for key in _COUNTERS:
+                out[key] = out[key] + rechecked[key]
+            out.update(auto_rung=self.ladder.current, auto_switches=len(self.ladder.switches))
         out["compression_ratio"] = compression_ratio(out["dense_wire_bytes"], out["wire_bytes"])
         out["auto_choice"] = self.choice
         return out
@@ -492,22 +536,29 @@ class OnlineAutoState(HookState):
         return {"auto_choice": self.choice, "auto_reason": self.reason, "auto_errors": self.errors,
                 "auto_noise": self.noise, "auto_iterations_s": self.medians,
                 "auto_setup_seconds": self.plan.setup_seconds, "auto_setup_phases_s": self.plan.phases,
-                "auto_stages": self.stages, "auto_compression_s": self.overheads, "auto_decided_at": self.iteration}
+                "auto_stages": self.stages, "auto_compression_s": self.overheads, "auto_decided_at": self.iteration,
+                "auto_recheck_every": self.plan.recheck_every,
+                "auto_switches": list(self.ladder.switches) if self.ladder is not None else []}
 
     def config(self) -> dict[str, Any]:
         return {"algorithm": AUTO_ONLINE, "base": self.plan.base, "metered": list(self.plan.metered)}
 
     def state_dict(self) -> dict[str, Any]:
         settled = self.phase == "settled"
+        ladder = self.ladder
         return {"iteration": self.iteration, "choice": self.choice if settled else None, "reason": self.reason,
                 "errors": dict(self.errors), "noise": self.noise, "medians": dict(self.medians),
-                "inner": self.hooks[self.choice][0].state_dict() if settled else None,
-                "meter_dense_wire_bytes": self.meter.dense_wire_bytes}
+                "inner": self.hooks[self.choice][0].state_dict() if settled and ladder is None else None,
+                "meter_dense_wire_bytes": self.meter.dense_wire_bytes,
+                "ladder": None if ladder is None else {"check_every": ladder.check_every, "state": ladder.state_dict()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for s, _ in self.hooks.values():
             s.close()
         self.hooks = {}
+        if self.ladder is not None:
+            self.ladder.close()
+            self.ladder = None
         self.iteration = int(state["iteration"])
         self.meter.dense_wire_bytes = float(state.get("meter_dense_wire_bytes", 0.0))
         if state.get("choice") is None:
@@ -515,21 +566,34 @@ class OnlineAutoState(HookState):
             return
         self.errors, self.noise, self.medians = dict(state["errors"]), state["noise"], dict(state["medians"])
         self.phase, self.choice, self.current, self.reason = "settled", state["choice"], state["choice"], state["reason"]
-        self._hook(self.choice)[0].load_state_dict(state["inner"])
+        if state.get("ladder") is None:
+            self._hook(self.choice)[0].load_state_dict(state["inner"])
+            return
+        # the checkpoint's re-checks go on (their period with them), on the rung they had reached
+        self._hook(self.choice)
+        self._start_ladder(self.choice, state["ladder"]["check_every"])
+        self.ladder.load_state_dict(state["ladder"]["state"])
+        self.current = self.ladder.current
 
     def close(self) -> None:
         for state, _ in self.hooks.values():
             state.close()
+        if self.ladder is not None:
+            self.ladder.close()
 
 
 def online_auto_hook(state: OnlineAutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook of :class:`OnlineAutoState`: at an iteration's first bucket the step's
     decision (from all-reduced numbers only); then, while metering, the metered candidate under the quality
-    meter, else the current entry's hook."""
+    meter, once settled and re-checked the ladder's rung (:func:`~gradsync.algorithms.ladder.ladder_hook`), else the
+    current entry's hook."""
     if not state._in_step:
         state._in_step = True
         state._begin_step()
-    if state.meter.on:
+    if state.ladder is not None:
+        fut = ladder_hook(state.ladder, bucket)
+        state.current = state.ladder.current
+    elif state.meter.on:
         fut = metered_hook(state.meter, bucket)
     else:
         inner, hook = state.hooks[state.current]
@@ -542,7 +606,7 @@ def online_auto_hook(state: OnlineAutoState, bucket: dist.GradBucket) -> torch.f
 
 def register_online_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                         job_steps: Optional[int] = None) -> OnlineAutoState:
+                         job_steps: Optional[int] = None, recheck_every: int = 0) -> OnlineAutoState:
     """Collective: ``--algorithm auto`` for a script's own ``DistributedDataParallel``, decided on the job's
     own first steps: :func:`plan_online` on copies of ``ddp.module`` (the profile and the dense all-reduce),
     then :func:`online_auto_hook` registered on ``ddp``. Call it on every rank after building ``ddp`` and
@@ -552,6 +616,7 @@ def register_online_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Se
 
     Args:
         ddp, optimizer, batches, loss_fn, job_steps: as :func:`gradsync.profiler.auto.register_auto`.
+        recheck_every: steps between re-checks of a settled lossy choice (:attr:`OnlinePlan.recheck_every`); 0: never.
 
     Raises:
         ValueError: for a ``ddp`` that is no ``DistributedDataParallel``, empty ``batches`` or a world
@@ -562,7 +627,7 @@ def register_online_auto(ddp: Any, optimizer: torch.optim.Optimizer, batches: Se
     batches = list(batches)
     make_optimizer, batch_size, bucket_cap_mb = script_job(ddp, optimizer, batches)
     plan = plan_online(ddp.module, batches, loss_fn, make_optimizer, "script", batch_size, bucket_cap_mb,
-                       group=ddp.process_group, job_steps=job_steps)
+                       group=ddp.process_group, job_steps=job_steps, recheck_every=recheck_every)
     state = OnlineAutoState(plan, ddp.module, process_group=ddp.process_group)
     ddp.register_comm_hook(state, online_auto_hook)
     ddp.gradsync_state = state

@@ -45,6 +45,10 @@ class TrainConfig(SharedConfig):
     auto_probe: str = option("copies", "how --algorithm auto measures: copies (a start-up probe on copies of the model, "
                              "gradsync.profiler.auto) or online (on the job's own first steps, gradsync.profiler.online;"
                              " among the hooks that work on any DDP bucket layout)", choices=["copies", "online"])
+    auto_recheck_every: int = option(0, "with --auto-probe online: re-measure a lossy choice's error every this many "
+                                     "steps and escalate it (PowerSGD rank x2, fp16, DDP) where it exceeds the quality "
+                                     "model's limit (gradsync.profiler.online, phase 5); 0: never", low=0,
+                                     high=1_000_000, units="iterations")
     bucket_cap_mb: Union[float, str] = option(AUTO, "DDP bucket size; auto: the model's gradient size / 16, "
                                               "clamped to [0.01, 25] (at least 8 buckets, so compression can "
                                               "overlap with the backward pass)", low=0.0, high=1024.0,
@@ -100,6 +104,9 @@ class TrainConfig(SharedConfig):
             raise ValueError("resume 'latest' needs checkpoint (--checkpoint DIR) to say where to look")
         if self.auto_probe != "copies" and self.algorithm != AUTO:
             raise ValueError(f"auto_probe {self.auto_probe!r} needs algorithm 'auto'; got algorithm {self.algorithm!r}")
+        if self.auto_recheck_every and self.auto_probe != "online":
+            raise ValueError(f"auto_recheck_every {self.auto_recheck_every} needs auto_probe 'online' (and algorithm "
+                             f"'auto'); got auto_probe {self.auto_probe!r}")
         if self.algorithm == AUTO:
             if self.options:
                 raise ValueError(f"options {', '.join(sorted(self.options))} cannot be given with algorithm 'auto', "

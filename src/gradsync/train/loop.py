@@ -79,7 +79,7 @@ def _online_auto(cfg: TrainConfig, ctx: BuildContext, train_x: torch.Tensor, tra
     checkpoint's hook state then holds the choice (or, taken before the decision, restarts the measurement)."""
     probe = _probe_batches(cfg, train_x, train_y, workload, rank, world, device)
     plan = plan_online(ctx.model, probe, loss_fn, ctx.make_optimizer, cfg.workload, cfg.batch_size,
-                       ctx.bucket_cap_mb, job_steps=job_steps)
+                       ctx.bucket_cap_mb, job_steps=job_steps, recheck_every=cfg.auto_recheck_every)
     if rank == 0:
         print(f"auto (online): base {plan.base}, metering {', '.join(plan.metered) or 'nothing'} on the first steps "
               f"(start-up {plan.setup_seconds:.1f} s)", flush=True)
