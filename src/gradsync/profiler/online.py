@@ -42,10 +42,12 @@ the job's own DDP steps (:class:`OnlineAutoState`, a communication hook):
    Sharma 2023, arXiv 2305.12201, §3.3): a lossy choice that works on any bucket layout trains on under a
    :class:`~gradsync.algorithms.ladder.LadderState` that starts on the chosen hook's own state: from every job
    iteration that is a multiple of ``recheck_every`` its error is metered for
-   :data:`~gradsync.profiler.probe.QUALITY_STEPS` steps as in phase 2, and where the all-reduced error-to-noise ratio exceeds the quality model's limit for the optimizer family (the
-   one the choice was made under) the next rung takes over (PowerSGD rank x 2 up to 16, fp16, DDP). Off by default:
-   the limit was fitted on errors of a job's first steps, and later in the recipes measured the ratio sat 0-25 %
-   above its first-steps value (docs/results.md, twentieth session) without a model of what that costs.
+   :data:`~gradsync.profiler.probe.QUALITY_STEPS` steps as in phase 2, and where the all-reduced error-to-noise
+   ratio exceeds the quality model's limit for the optimizer family (the one the choice was made under) the next rung
+   takes over (PowerSGD rank x 2 up to 16, fp16, DDP). Off by default: the limit was fitted on errors of a job's
+   first steps, and later in training the ratio grows (up to 25 % over the VGG's and the SqueezeNet's 1-epoch recipes,
+   from 0.17 to 0.38 over the GRU's 4 epochs at r=8; docs/results.md, twentieth session) without a model of what
+   that costs.
 
 Every decision is taken at the first bucket of an iteration from all-reduced numbers (one all-reduce
 from the hook body), so every rank runs the same hooks. The probe's cost is what its steps took beyond
