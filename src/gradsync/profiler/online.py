@@ -75,8 +75,8 @@ from ..algorithms.ladder import LadderState, ladder_hook
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
 from ..comm.collectives import collective_device, max_over_ranks
 from ..options import AUTO_ONLINE
-from ..validation import check_int
 from ..sim.profile import Profile
+from ..validation import check_int
 from .advise import CASTS, LOW_CCR, MIN_GAIN, advise, candidates, is_hook, single_bucket
 from .compute import device_clock
 from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _agreed_medians, _hook_pair,
@@ -117,7 +117,8 @@ class OnlinePlan:
             the job's steps, and the faster is chosen.
         quality: the quality model that turns a measured error into extra steps (default
             :data:`~gradsync.profiler.quality_model.FITTED_TRAINING`).
-        recheck_every: steps between re-checks of a settled lossy choice (module docstring, phase 5); 0: never.
+        recheck_every: steps between re-checks of a settled lossy choice (module docstring, phase 5); 0: never. Its
+            rungs are the ladder's (:func:`~gradsync.algorithms.ladder.rungs`) whatever ``allowed`` held at planning.
     """
 
     prof: Profile
