@@ -220,10 +220,11 @@ def _lightning_auto(out: Path, rank: int, fit, result: dict) -> None:
         result["auto_mismatch_error"] = str(exc)
     dist.barrier()
     # online=True: decided on the fit's own steps; the decision and the winner's state go into the checkpoint
-    online = GradsyncHook("auto", online=True)
+    online = GradsyncHook("auto", online=True, recheck_every=40)
     ckpt = ModelCheckpoint(dirpath=str(out / "online_ckpt"), save_top_k=-1, every_n_epochs=1, filename="{epoch}")
     result["online"] = fit([online, ckpt], 2, checkpoint=True)
     result["online_stats"] = online.stats()
+    result["online_recheck_every"] = online.state.plan.recheck_every
     resumed = GradsyncHook("auto", online=True)
     result["online_resumed"] = fit([resumed], 2, ckpt_path=str(out / "online_ckpt" / "epoch=0.ckpt"))
     result["online_resumed_stats"] = resumed.stats()
@@ -562,6 +563,8 @@ def test_lightning_online_auto_resumes_its_decision(lightning_runs):
     fit keeps it and repeats the uninterrupted fit's epoch 2. A checkpoint of the start-up probe's "auto" is
     refused on both ranks."""
     check_online_resume(lightning_runs[1], STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)
+    # recheck_every reaches the plan (a lossless choice is never re-checked: the run is the same)
+    assert all(r["online_recheck_every"] == 40 for r in lightning_runs[1])
 
 
 def check_online_resume(ranks: list[dict], saved_at: int, steps: int) -> None:
@@ -765,6 +768,24 @@ def test_integrations_refuse_dear_and_bad_options():
         build_state_and_hook("dear")
     with pytest.raises(ValueError, match="ratio"):
         build_state_and_hook("covap", ratio=33)
+
+
+def test_recheck_every_needs_online_in_every_integration():
+    from gradsync.integrations.auto import online_options
+
+    options = {"online": True, "recheck_every": 50, "other": 1}
+    assert online_options(options) == (True, 50) and options == {"other": 1}
+    assert online_options({}) == (False, 0)
+    with pytest.raises(ValueError, match="recheck_every needs online=True"):
+        online_options({"recheck_every": 5})
+    with pytest.raises(ValueError, match=r"recheck_every must be an integer in \[0, 1000000\]"):
+        online_options({"online": True, "recheck_every": -1})
+    for module, cls in (("gradsync.integrations.lightning_callback", "GradsyncHook"),
+                        ("gradsync.integrations.transformers_callback", "GradsyncCallback")):
+        hook = getattr(pytest.importorskip(module), cls)
+        assert hook("auto", online=True, recheck_every=50).recheck_every == 50
+        with pytest.raises(ValueError, match="recheck_every needs online=True"):
+            hook("auto", recheck_every=50)
 
 
 def test_load_hook_state_refuses_other_algorithm_world_size_or_format():

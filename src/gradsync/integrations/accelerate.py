@@ -73,11 +73,11 @@ import torch.distributed as dist
 
 from ..options import AUTO_ONLINE
 from . import AUTO, PAYLOAD_FORMAT, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state
-from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of,
+from .auto import (AutoChoice, agree_auto_entry, announce_auto, build_auto, choose_auto, entry_of, online_options,
                    recorded_auto_entry)
 
 #: The keyword arguments of ``register_hook(model, "auto", ...)``.
-AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume", "job_steps", "online")
+AUTO_ARGUMENTS = ("optimizer", "batches", "loss_fn", "resume", "job_steps", "online", "recheck_every")
 
 
 def register_hook(model: Any, algorithm: str = "covap", process_group: dist.ProcessGroup | None = None,
@@ -113,6 +113,9 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
             * ``online`` (optional, default False): decide on the loop's own first steps
               (:func:`gradsync.profiler.online.register_online_auto`); ``resume`` is then not taken
               (``accelerator.load_state`` restores the decision).
+            * ``recheck_every`` (optional, default 0: never; needs ``online``): re-check a lossy choice every that
+              many steps and escalate it where its quality degrades
+              (:attr:`gradsync.profiler.online.OnlinePlan.recheck_every`).
 
     Returns:
         The hook state (``stats()``: ``wire_bytes``, ``dense_wire_bytes`` and ``payload_bytes`` in bytes,
@@ -129,7 +132,8 @@ def register_hook(model: Any, algorithm: str = "covap", process_group: dist.Proc
         ValueError: for an unknown or DeAR algorithm or options out of range; if ``model`` is not a
             ``DistributedDataParallel`` although several processes run (FSDP, DeepSpeed). With
             ``"auto"``: for an unknown keyword, a missing ``optimizer``/``batches``/``loss_fn`` without
-            ``resume`` (with ``online=True``: at all), ``resume`` with ``online=True``, empty ``batches``;
+            ``resume`` (with ``online=True``: at all), ``resume`` with ``online=True``, empty ``batches``,
+            ``recheck_every`` out of [0, 1000000] or without ``online``;
             on every rank, for a ``resume`` folder without an ``auto`` hook state or ranks whose folders
             recorded different choices.
         RuntimeError: from PyTorch, if the model already has a communication hook.
@@ -161,7 +165,8 @@ def _register_auto(ddp: Any, process_group: dist.ProcessGroup | None, options: d
     if unknown:
         raise ValueError(f"register_hook(model, 'auto', ...) takes the keyword arguments {', '.join(AUTO_ARGUMENTS)}; "
                          f"got {', '.join(unknown)} (auto chooses the algorithm's options)")
-    resume, online = options.get("resume"), bool(options.get("online", False))
+    resume = options.get("resume")
+    online, recheck_every = online_options({k: options[k] for k in ("online", "recheck_every") if k in options})
     if online and resume is not None:
         raise ValueError("register_hook(model, 'auto', ..., online=True) takes no resume=: register it as in the "
                          "first run and accelerator.load_state restores the decision")
@@ -177,7 +182,7 @@ def _register_auto(ddp: Any, process_group: dist.ProcessGroup | None, options: d
             from ..profiler.online import register_online_auto
 
             return register_online_auto(ddp, options["optimizer"], list(options["batches"]), options["loss_fn"],
-                                        options.get("job_steps")), None
+                                        options.get("job_steps"), recheck_every), None
     else:
         recorded, problem, source = _recorded_choice(Path(resume))
     entry = agree_auto_entry(recorded, problem)

@@ -70,6 +70,23 @@ def known_steps(steps: Any) -> int | None:
     return int(value) if math.isfinite(value) and value >= 1 else None
 
 
+def online_options(options: dict[str, Any]) -> tuple[bool, int]:
+    """Pop ``online`` and ``recheck_every`` from a framework's ``"auto"`` options: ``(online, recheck_every)``
+    (:attr:`gradsync.profiler.online.OnlinePlan.recheck_every`; 0: never).
+
+    Raises:
+        ValueError: for ``recheck_every`` outside [0, 1000000], or above 0 without ``online``.
+    """
+    from ..validation import check_int
+
+    online = bool(options.pop("online", False))
+    recheck_every = check_int("recheck_every", options.pop("recheck_every", 0), 0, 1_000_000)
+    if recheck_every and not online:
+        raise ValueError(f"recheck_every needs online=True (the choice made on the job's own steps); got "
+                         f"recheck_every={recheck_every}")
+    return online, recheck_every
+
+
 def check_auto_options(options: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` if algorithm options were given with ``algorithm="auto"`` (auto chooses them)."""
     if options:
@@ -227,10 +244,11 @@ def choose_auto_on_batches(module: torch.nn.Module, batches: Sequence[Any],
 def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],
                            loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any,
                            bucket_cap_mb: float, process_group: dist.ProcessGroup | None = None,
-                           workload: str = "integration", job_steps: int | None = None) -> Any:
+                           workload: str = "integration", job_steps: int | None = None, recheck_every: int = 0) -> Any:
     """Collective: :func:`~gradsync.profiler.online.plan_online` (the online probe's start-up measurements) on a
     framework's own batches, ``module`` measured as a :class:`BatchLoss` as :func:`choose_auto_on_batches` does;
-    copies of ``optimizer``'s class with its defaults train the copies.
+    copies of ``optimizer``'s class with its defaults train the copies; ``recheck_every`` as
+    :attr:`~gradsync.profiler.online.OnlinePlan.recheck_every`.
 
     Raises:
         ValueError: for empty ``batches`` (and as :func:`~gradsync.profiler.online.plan_online`).
@@ -241,13 +259,14 @@ def plan_online_on_batches(module: torch.nn.Module, batches: Sequence[Any],
     if not batches:
         raise ValueError("algorithm 'auto' needs at least one training batch of this rank to measure on")
     return plan_online(BatchLoss(module, loss), BatchLoss.batches(batches), _output_loss, optimizer_factory(optimizer),
-                       workload, batch_size_of(batches[0]), bucket_cap_mb, group=process_group, job_steps=job_steps)
+                       workload, batch_size_of(batches[0]), bucket_cap_mb, group=process_group, job_steps=job_steps,
+                       recheck_every=recheck_every)
 
 
 def online_auto_state(module: torch.nn.Module, batches: Sequence[Any],
                       loss: Callable[[torch.nn.Module, Any, int], torch.Tensor], optimizer: Any, bucket_cap_mb: float,
                       pending: dict[str, Any] | None, owner: str, process_group: dist.ProcessGroup | None = None,
-                      workload: str = "integration", job_steps: int | None = None) -> Any:
+                      workload: str = "integration", job_steps: int | None = None, recheck_every: int = 0) -> Any:
     """Collective: a framework's ``"auto"`` with ``online=True``: :func:`plan_online_on_batches` (torch's random
     generators as before) and the :class:`~gradsync.profiler.online.OnlineAutoState` that decides on the job's
     own steps, for the hook to register; ``pending`` (the payload the run resumes from, or None) must be an
@@ -264,7 +283,7 @@ def online_auto_state(module: torch.nn.Module, batches: Sequence[Any],
                          f"algorithm {pending.get('algorithm')!r}")
     with preserved_rng(next((p.device for p in module.parameters()), None)):
         plan = plan_online_on_batches(module, batches, loss, optimizer, bucket_cap_mb, process_group=process_group,
-                                      workload=workload, job_steps=job_steps)
+                                      workload=workload, job_steps=job_steps, recheck_every=recheck_every)
     return OnlineAutoState(plan, module, process_group=process_group)
 
 
@@ -332,5 +351,5 @@ def announce_auto(choice: AutoChoice) -> None:
 
 
 __all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
-           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "online_auto_state", "plan_online_on_batches",
-           "preserved_rng", "recorded_auto_entry", "to_device"]
+           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "online_auto_state", "online_options",
+           "plan_online_on_batches", "preserved_rng", "recorded_auto_entry", "to_device"]

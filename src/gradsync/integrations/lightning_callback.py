@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
+    check_auto_options, choose_auto_on_batches, online_options, entry_of, known_steps, online_auto_state, preserved_rng,
     recorded_auto_entry)
 
 
@@ -38,7 +38,9 @@ class GradsyncHook(Callback):
             (:mod:`gradsync.profiler.online`; ``state`` is the
             :class:`~gradsync.profiler.online.OnlineAutoState`, ``state.choice`` once it has settled); the
             checkpoint keeps the decision with the winner's state, and a resumed fit restores it (or, from a
-            checkpoint written before the decision, measures again from the saved step).
+            checkpoint written before the decision, measures again from the saved step). With it,
+            ``recheck_every=N`` re-checks a lossy choice every N steps and escalates it where its quality degrades
+            (:attr:`~gradsync.profiler.online.OnlinePlan.recheck_every`).
         process_group: group of the hook's collectives (``None`` = the default group Lightning set up).
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
             ``"auto"``: calibrated by the hook from its own first iterations, then adapted),
@@ -66,7 +68,7 @@ class GradsyncHook(Callback):
     """
 
     def __init__(self, algorithm: str = "covap", process_group: Any = None, **options: Any):
-        self.online = bool(options.pop("online", False)) if algorithm == AUTO else False
+        self.online, self.recheck_every = online_options(options) if algorithm == AUTO else (False, 0)
         if algorithm == AUTO:
             check_auto_options(options)
         self.algorithm = algorithm
@@ -186,7 +188,7 @@ class GradsyncHook(Callback):
                 pl_module, _first_batches(trainer), _training_step_loss, trainer.optimizers[0],
                 self._ddp.bucket_bytes_cap / 2 ** 20, pending or None, "GradsyncHook('auto', online=True)",
                 process_group=self.process_group, workload="lightning",
-                job_steps=known_steps(trainer.estimated_stepping_batches))
+                job_steps=known_steps(trainer.estimated_stepping_batches), recheck_every=self.recheck_every)
         self._hook = online_auto_hook
         self._ddp.register_comm_hook(self.state, self._hook)
         self._registered = True

@@ -19,7 +19,7 @@ from ..options import AUTO_ONLINE
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, preserved_rng,
+    check_auto_options, choose_auto_on_batches, online_options, entry_of, known_steps, online_auto_state, preserved_rng,
     recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")
@@ -48,7 +48,8 @@ class GradsyncCallback(TrainerCallback):
             the run's own first steps instead (:mod:`gradsync.profiler.online`; ``state`` is the
             :class:`~gradsync.profiler.online.OnlineAutoState`, ``state.choice`` once settled); the decision
             is kept with the winner's state and a resumed run restores it (or measures again from a
-            checkpoint written before it).
+            checkpoint written before it). With it, ``recheck_every=N`` re-checks a lossy choice every N steps
+            and escalates it where its quality degrades (:attr:`~gradsync.profiler.online.OnlinePlan.recheck_every`).
         process_group: group of the hook's collectives (``None`` = the default group the ``Trainer``
             set up).
         options: the algorithm's options, e.g. ``ratio=4`` (COVAP's K, integer in [1, 32], or
@@ -78,7 +79,7 @@ class GradsyncCallback(TrainerCallback):
     """
 
     def __init__(self, algorithm: str = "covap", process_group: Any = None, **options: Any):
-        self.online = bool(options.pop("online", False)) if algorithm == AUTO else False
+        self.online, self.recheck_every = online_options(options) if algorithm == AUTO else (False, 0)
         if algorithm == AUTO:
             check_auto_options(options)
         else:
@@ -168,7 +169,7 @@ class GradsyncCallback(TrainerCallback):
         self.state = online_auto_state(self._model, _first_batches(train_dataloader, device), _model_loss, optimizer,
                                        bucket_cap_mb, pending, f"GradsyncCallback('auto', online=True) ({self._read_from})",
                                        process_group=self.process_group, workload="transformers",
-                                       job_steps=known_steps(state.max_steps))
+                                       job_steps=known_steps(state.max_steps), recheck_every=self.recheck_every)
         self._hook, self._pending = online_auto_hook, pending
 
     @property
