@@ -37,9 +37,9 @@ def register_auto(ddp, optimizer, batches, loss_fn, job_steps=None, online=False
     Raises:
         ValueError: as the functions above; for ``recheck_every`` > 0 without ``online``.
     """
-    if recheck_every and not online:
-        raise ValueError(f"recheck_every needs online=True (the choice made on the job's own steps); got "
-                         f"recheck_every={recheck_every}")
+    from .integrations.auto import online_options
+
+    online, recheck_every = online_options({"online": online, "recheck_every": recheck_every})
     if online:
         from .profiler.online import register_online_auto
 
