@@ -44,12 +44,11 @@ def twins(pts) -> list[tuple]:
     return out
 
 
-def best_cut(pts) -> tuple[float, int]:
-    """``(limit, misclassified)``: the limit on the ratio (accept at or below) that calls the fewest of ``pts``
-    wrong, tried at every point's ratio and at 0."""
-    cuts = sorted({0.0, *(q.ratio for q in pts)})
-    scored = [(sum(q.missed != (q.ratio > c) for q in pts), c) for c in cuts]
-    wrong, limit = min(scored)
+def best_cut(rows) -> tuple[float, int]:
+    """``(limit, misclassified)`` of ``rows`` (``[(value, missed)]``): the limit on the value (accept at or below)
+    that calls the fewest rows wrong, tried at every row's value and at 0."""
+    cuts = sorted({0.0, *(v for v, _ in rows)})
+    wrong, limit = min((sum(missed != (v > c) for v, missed in rows), c) for c in cuts)
     return limit, wrong
 
 
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     for q in pts:
         families[optimizer_family(q.optimizer)].append(q)
     for family, group in sorted(families.items()):
-        limit, wrong = best_cut(group)
+        limit, wrong = best_cut([(q.ratio, q.missed) for q in group])
         print(f"{family}: {len(group)} points over {len({q.workload for q in group})} workloads; the best cut on the "
               f"ratio, chosen on these points (in sample), is {limit:.3f} and calls {wrong} wrong")
         crossed = crossings(group)

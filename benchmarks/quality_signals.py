@@ -190,6 +190,7 @@ def measure(args, argv=None) -> None:
 
 def score(args) -> None:
     from fit_quality_model import points
+    from outcome_noise import best_cut
 
     from gradsync.profiler.quality_model import optimizer_family
 
@@ -212,8 +213,7 @@ def score(args) -> None:
         print(f"{family}: {len(group)} rows over {workloads} workloads, {sum(q.missed for q, _ in group)} missed")
         for name in SIGNALS:
             sign = -1 if name == "descent" else 1  # descent: accept above the cut
-            values = sorted({sign * v[name] for _, v in group})
-            wrong, cut = min((sum(q.missed != (sign * v[name] > c) for q, v in group), c) for c in values)
+            cut, wrong = best_cut([(sign * v[name], q.missed) for q, v in group])
             print(f"  {name:<12} best cut {sign * cut:7.3f}: {wrong} of {len(group)} called wrong")
 
 

@@ -45,7 +45,7 @@ def test_best_cut_and_crossings():
     pts = [point("a x2", "fp16", 0.0, 0), point("a x2", O + "8", 0.4, 0), point("a x2", O + "4", 0.9, 3),
            point("b x2", O + "8", 0.6, 2), point("b x2", O + "4", 1.2, 0)]
     # accept at or below 0.4: wrong only on b's r=4 (reached at 1.2); no cut gets b's two rows right together
-    assert outcome_noise.best_cut(pts) == (0.4, 1)
+    assert outcome_noise.best_cut([(q.ratio, q.missed) for q in pts]) == (0.4, 1)
     crossed = outcome_noise.crossings(pts)
     # b reached at 1.2 above a's miss at 0.9; a's reaching rows (0, 0.4) lie below b's miss at 0.6
     assert [(g.workload, g.entry, b.workload, b.entry) for g, b in crossed] == [("b x2", O + "4", "a x2", O + "4")]
