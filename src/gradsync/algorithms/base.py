@@ -202,6 +202,11 @@ def count_dense(obj: Any, nbytes: int, world_size: int) -> float:
     return wire
 
 
+#: The counters of a hook's ``stats()`` that add up when one run uses several hooks in turn (the ladder's rungs,
+#: auto's candidates).
+ADDITIVE_COUNTERS = ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped")
+
+
 def compression_ratio(dense_wire: float, wire: float) -> float:
     """``dense_wire / wire``: 1.0 when both are 0 (nothing sent, e.g. one rank), ``inf`` when only
     ``wire`` is 0 (every bucket was dropped)."""

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..comm.collectives import collective_device
 from ..options import Options, option
-from .base import HookState
+from .base import ADDITIVE_COUNTERS, HookState
 from .meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, error_to_noise, metered_hook, relative_errors
 from .spec import hook_algorithm
 
@@ -62,8 +62,13 @@ class LadderOptions(Options):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.window > self.check_every:
-            raise ValueError(f"ladder.window must be an integer in [1, check_every={self.check_every}], got {self.window}")
+        check_window(self.window, self.check_every)
+
+
+def check_window(window: int, check_every: int) -> None:
+    """Raise ``ValueError`` unless ``window`` (steps each check measures) is in [1, ``check_every``]."""
+    if not 1 <= window <= check_every:
+        raise ValueError(f"ladder.window must be an integer in [1, check_every={check_every}], got {window}")
 
 
 def rungs(start: str) -> list[str]:
@@ -94,10 +99,6 @@ def rungs(start: str) -> list[str]:
     return out
 
 
-#: The counters of a rung's ``stats()`` that add up over the rungs a run used.
-_COUNTERS = ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped")
-
-
 class LadderState(HookState):
     """State of :func:`ladder_hook`.
 
@@ -119,8 +120,7 @@ class LadderState(HookState):
                  first: Optional[tuple] = None):
         super().__init__(process_group)
         self.rungs = rungs(start)
-        if not 1 <= window <= check_every:
-            raise ValueError(f"window must be in [1, check_every={check_every}]; got {window}")
+        check_window(window, check_every)
         self.check_every, self.max_error_to_noise, self.window = check_every, max_error_to_noise, window
         self.model, self.seed = model, seed
         self.index = 0
@@ -168,7 +168,7 @@ class LadderState(HookState):
             old = self.current
             inner = self.meter.hooks[0][0]
             for key, value in inner.stats().items():
-                if key in _COUNTERS:
+                if key in ADDITIVE_COUNTERS:
                     self.retired[key] = self.retired.get(key, 0) + value
             inner.close()
             self.index += 1
@@ -190,7 +190,7 @@ class LadderState(HookState):
     def stats(self) -> dict[str, Any]:
         inner = self.meter.hooks[0][0].stats()
         out = dict(super().stats())
-        for key in _COUNTERS:
+        for key in ADDITIVE_COUNTERS:
             out[key] = out[key] + self.retired.get(key, 0) + inner.get(key, 0)
         out["wire_bytes"] += self.meter.dense_wire_bytes
         from .base import compression_ratio

@@ -351,5 +351,5 @@ def announce_auto(choice: AutoChoice) -> None:
 
 
 __all__ = ["AutoChoice", "BatchLoss", "ProbeInputs", "agree_auto_entry", "announce_auto", "batch_size_of", "build_auto",
-           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "online_auto_state", "online_options",
-           "plan_online_on_batches", "preserved_rng", "recorded_auto_entry", "to_device"]
+           "check_auto_options", "choose_auto", "choose_auto_on_batches", "entry_of", "online_auto_state",
+           "online_options", "plan_online_on_batches", "preserved_rng", "recorded_auto_entry", "to_device"]

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 from . import AUTO, build_state_and_hook, find_ddp, gather_hook_state, load_hook_state  # noqa: E402
 from .auto import (  # noqa: E402
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, online_options, entry_of, known_steps, online_auto_state, preserved_rng,
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, online_options, preserved_rng,
     recorded_auto_entry)
 
 

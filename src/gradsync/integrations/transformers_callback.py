@@ -19,7 +19,7 @@ from ..options import AUTO_ONLINE
 from . import AUTO, _world, build_state_and_hook, check_hook_algorithm, gather_hook_state, load_hook_state
 from .auto import (
     AutoChoice, agree_auto_entry, announce_auto, build_auto,
-    check_auto_options, choose_auto_on_batches, online_options, entry_of, known_steps, online_auto_state, preserved_rng,
+    check_auto_options, choose_auto_on_batches, entry_of, known_steps, online_auto_state, online_options, preserved_rng,
     recorded_auto_entry, to_device)
 
 transformers = require("transformers", "gradsync.integrations.transformers")

@@ -69,7 +69,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..algorithms.base import HookState, compression_ratio
+from ..algorithms.base import ADDITIVE_COUNTERS, HookState, compression_ratio
 from ..algorithms.joined import joined_hook
 from ..algorithms.ladder import LadderState, ladder_hook
 from ..algorithms.meter import LOCAL_GRADIENT, REFERENCE_FRACTION, QualityMeter, metered_hook, relative_errors
@@ -84,9 +84,6 @@ from .probe import (QUALITY_STEPS, RACE_MIN_STEPS, START_STEPS, TIMED_STEPS, _ag
 from .quality_model import FITTED_TRAINING, QualityModel, optimizer_family
 
 __all__ = ["OnlinePlan", "OnlineAutoState", "online_auto_hook", "plan_online", "register_online_auto"]
-
-#: The counters of a hook's ``stats()`` that add up over every hook the job ran.
-_COUNTERS = ("wire_bytes", "payload_bytes", "collectives", "compress_seconds", "buckets_skipped")
 
 
 @dataclass(frozen=True)
@@ -499,7 +496,8 @@ class OnlineAutoState(HookState):
         pair = self.hooks.pop(entry)
         self.spent.remove(pair)  # the ladder's stats count it
         every = check_every or self.plan.recheck_every
-        self.ladder = LadderState(entry, check_every=every, max_error_to_noise=self.plan.quality.limit(self.plan.family),
+        limit = self.plan.quality.limit(self.plan.family)
+        self.ladder = LadderState(entry, check_every=every, max_error_to_noise=limit,
                                   reference_fraction=REFERENCE_FRACTION, model=self.model,
                                   process_group=self.process_group, seed=self.seed,
                                   window=min(QUALITY_STEPS, every), first=pair)
@@ -522,12 +520,12 @@ class OnlineAutoState(HookState):
         out = dict(super().stats())
         for state, _ in self.spent:
             for key, value in state.stats().items():
-                if key in _COUNTERS:
+                if key in ADDITIVE_COUNTERS:
                     out[key] = out[key] + value
         out["wire_bytes"] += self.meter.dense_wire_bytes
         if self.ladder is not None:  # its rungs, its checks' references and decisions
             rechecked = self.ladder.stats()
-            for key in _COUNTERS:
+            for key in ADDITIVE_COUNTERS:
                 out[key] = out[key] + rechecked[key]
             out.update(auto_rung=self.ladder.current, auto_switches=len(self.ladder.switches))
         out["compression_ratio"] = compression_ratio(out["dense_wire_bytes"], out["wire_bytes"])
